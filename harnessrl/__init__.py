@@ -1,0 +1,3 @@
+"""harnessrl: RL for LLM agents through their unchanged harness."""
+
+__version__ = "0.1.0"
