@@ -1,0 +1,258 @@
+"""Injection webhook: a mutating admission webhook that adds the capture sidecar to harness pods.
+
+In: AdmissionReview v1 requests for pods labelled `harnessrl.io/inject: "true"`. Out: a response
+whose JSON patch adds the native sidecar (an init container with `restartPolicy: Always`) and env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+INJECT_LABEL = "harnessrl.io/inject"
+ROLLOUT_ANNOTATION = "harnessrl.io/rollout-id"
+INJECTED_ANNOTATION = "harnessrl.io/injected"
+SIDECAR_NAME = "harnessrl-sidecar"
+DEFAULT_IMAGE = "ghcr.io/harnessrl/harnessrl:0.1.0"
+
+
+@dataclass(frozen=True)
+class SidecarSpec:
+    """The capture sidecar that runs beside each harness; shared by the webhook and the launcher."""
+
+    image: str = DEFAULT_IMAGE
+    upstream: str = "http://vllm.harnessrl.svc.cluster.local:8000"  # comma-separated for several
+    port: int = 8080
+    store_secret: str = "harnessrl-store"  # Secret whose key `url` holds the trace store DSN
+    control_secret: str = "harnessrl-control"  # Secret whose key `token` guards the control API
+    api_key: str = "harnessrl"  # what the harness sends; the sidecar does not check it
+    cpu: str = "250m"
+    memory: str = "256Mi"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.image, str) or not self.image:
+            raise ValueError(f"SidecarSpec.image must be a container image, got {self.image!r}")
+        if not isinstance(self.upstream, str) or not self.upstream.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"SidecarSpec.upstream must be http(s) URL(s), got {self.upstream!r}; "
+                "e.g. http://vllm.harnessrl.svc.cluster.local:8000"
+            )
+        if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise ValueError(f"SidecarSpec.port must be an int in 1..65535, got {self.port!r}")
+        for name in ("store_secret", "control_secret"):
+            if not getattr(self, name):
+                raise ValueError(
+                    f"SidecarSpec.{name} must name a Secret, got {getattr(self, name)!r}"
+                )
+
+
+def sidecar_container(spec: SidecarSpec) -> dict[str, Any]:
+    """The native sidecar: kubelet starts it before the harness and stops it after the harness exits."""
+    return {
+        "name": SIDECAR_NAME,
+        "image": spec.image,
+        "restartPolicy": "Always",
+        "command": ["python", "-m", "proxy_sidecar"],
+        # $(VAR) is expanded by the kubelet from the env below, so no secret sits in the pod spec.
+        "args": [
+            *("--upstream", spec.upstream, "--store", "$(HARNESSRL_STORE_URL)"),
+            *("--host", "0.0.0.0", "--port", str(spec.port)),
+        ],
+        "env": [
+            _secret_env("HARNESSRL_STORE_URL", spec.store_secret, "url"),
+            _secret_env("HARNESSRL_CONTROL_TOKEN", spec.control_secret, "token"),
+            {
+                # The default rollout for plain /v1 calls: one harness per pod.
+                "name": "HARNESSRL_ROLLOUT_ID",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": f"metadata.annotations['{ROLLOUT_ANNOTATION}']"}
+                },
+            },
+        ],
+        "ports": [{"name": "sidecar", "containerPort": spec.port, "protocol": "TCP"}],
+        # The harness starts only once this probe passes, so its first call finds the proxy up.
+        "startupProbe": {
+            "tcpSocket": {"port": spec.port},
+            "periodSeconds": 1,
+            "failureThreshold": 60,
+        },
+        "resources": {
+            "requests": {"cpu": spec.cpu, "memory": spec.memory},
+            "limits": {"memory": spec.memory},
+        },
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def harness_env(spec: SidecarSpec, rollout_id: str | None = None) -> list[dict[str, str]]:
+    """Env that points an unchanged harness at the sidecar on localhost."""
+    path = f"/rollouts/{rollout_id}/v1" if rollout_id else "/v1"
+    return [
+        {"name": "OPENAI_BASE_URL", "value": f"http://127.0.0.1:{spec.port}{path}"},
+        {"name": "OPENAI_API_KEY", "value": spec.api_key},
+    ]
+
+
+def owns(pod: Any) -> bool:
+    """Only pods that opted in through the label are ever touched."""
+    if not isinstance(pod, dict):
+        return False
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return isinstance(labels, dict) and labels.get(INJECT_LABEL) == "true"
+
+
+def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
+    """RFC 6902 operations that inject the sidecar; empty when the pod already has everything."""
+    pod_spec = pod.get("spec")
+    if not isinstance(pod_spec, dict) or not isinstance(pod_spec.get("containers"), list):
+        raise ValueError("pod has no spec.containers list")
+    ops: list[dict[str, Any]] = []
+    inits = pod_spec.get("initContainers")
+    if inits is None:
+        ops.append(
+            {"op": "add", "path": "/spec/initContainers", "value": [sidecar_container(spec)]}
+        )
+    elif not isinstance(inits, list):
+        raise ValueError("pod spec.initContainers is not a list")
+    elif not any(isinstance(c, dict) and c.get("name") == SIDECAR_NAME for c in inits):
+        # First, so that the harness's own init containers can already reach the model.
+        ops.append(
+            {"op": "add", "path": "/spec/initContainers/0", "value": sidecar_container(spec)}
+        )
+    for i, container in enumerate(pod_spec["containers"]):
+        if not isinstance(container, dict):
+            raise ValueError(f"pod spec.containers[{i}] is not an object")
+        ops.extend(_env_ops(f"/spec/containers/{i}", container.get("env"), spec))
+    if ops:
+        ops.extend(_annotation_ops(pod))
+    return ops
+
+
+def _env_ops(path: str, env: Any, spec: SidecarSpec) -> list[dict[str, Any]]:
+    wanted = harness_env(spec)
+    if env is None:
+        return [{"op": "add", "path": f"{path}/env", "value": wanted}]
+    if not isinstance(env, list):
+        raise ValueError(f"{path}/env is not a list")
+    index = {e.get("name"): j for j, e in enumerate(env) if isinstance(e, dict)}
+    ops: list[dict[str, Any]] = []
+    for var in wanted:
+        j = index.get(var["name"])
+        if j is None:
+            ops.append({"op": "add", "path": f"{path}/env/-", "value": var})
+        elif var["name"] == "OPENAI_BASE_URL" and env[j] != var:
+            # Capture is the point of the label: the base URL must go through the sidecar.
+            ops.append({"op": "replace", "path": f"{path}/env/{j}", "value": var})
+        # A harness's own OPENAI_API_KEY is kept: the sidecar ignores it, some SDKs insist on one.
+    return ops
+
+
+def _annotation_ops(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = pod.get("metadata") or {}
+    note = {INJECTED_ANNOTATION: SIDECAR_NAME}
+    if not isinstance(meta.get("annotations"), dict):
+        return [{"op": "add", "path": "/metadata/annotations", "value": note}]
+    key = INJECTED_ANNOTATION.replace("~", "~0").replace("/", "~1")  # RFC 6901 escaping
+    return [{"op": "add", "path": f"/metadata/annotations/{key}", "value": SIDECAR_NAME}]
+
+
+def review_response(review: Any, spec: SidecarSpec) -> dict[str, Any]:
+    """AdmissionReview in → AdmissionReview out. Pods we do not own are always allowed unchanged."""
+    if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
+        raise ValueError("body is not an AdmissionReview object")
+    if review.get("apiVersion") != "admission.k8s.io/v1":
+        raise ValueError(
+            f"AdmissionReview apiVersion must be admission.k8s.io/v1, got {review.get('apiVersion')!r}"
+        )
+    request = review.get("request")
+    if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
+        raise ValueError("AdmissionReview.request.uid is missing")
+    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
+    pod = request.get("object")
+    is_pod = (request.get("kind") or {}).get("kind") == "Pod" and not request.get("subResource")
+    if is_pod and request.get("operation") == "CREATE" and owns(pod):
+        try:
+            ops = build_patch(pod, spec)
+        except ValueError as err:
+            # An opted-in pod that cannot get its sidecar would run unrecorded: refuse it loudly.
+            response["allowed"] = False
+            response["status"] = {"code": 400, "message": f"harnessrl injection: {err}"}
+            ops = []
+        if ops:
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+
+
+async def mutate(request: Request) -> Response:
+    try:
+        review = json.loads(await request.body())
+        return JSONResponse(review_response(review, request.app.state.spec))
+    except (ValueError, UnicodeDecodeError) as err:
+        return JSONResponse({"error": str(err)}, status_code=400)
+
+
+async def healthz(request: Request) -> Response:
+    return PlainTextResponse("ok")
+
+
+def create_app(spec: SidecarSpec) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/mutate", mutate, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )
+    app.state.spec = spec
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m proxy_sidecar.webhook", description="harnessrl sidecar injection webhook"
+    )
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8443)
+    ap.add_argument("--tls-cert", required=True, help="PEM serving certificate")
+    ap.add_argument("--tls-key", required=True, help="PEM private key")
+    ap.add_argument("--sidecar-image", default=DEFAULT_IMAGE)
+    ap.add_argument("--upstream", default=SidecarSpec.upstream)
+    ap.add_argument("--sidecar-port", type=int, default=SidecarSpec.port)
+    ap.add_argument("--store-secret", default=SidecarSpec.store_secret)
+    ap.add_argument("--control-secret", default=SidecarSpec.control_secret)
+    args = ap.parse_args(argv)
+    spec = SidecarSpec(
+        image=args.sidecar_image,
+        upstream=args.upstream,
+        port=args.sidecar_port,
+        store_secret=args.store_secret,
+        control_secret=args.control_secret,
+    )
+    import uvicorn
+
+    uvicorn.run(
+        create_app(spec),
+        host=args.host,
+        port=args.port,
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
+        log_level="info",
+    )
+
+
+if __name__ == "__main__":
+    main()
