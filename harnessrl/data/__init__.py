@@ -1,0 +1,1 @@
+"""Data stage: trace records in, static packed training arrays out."""
