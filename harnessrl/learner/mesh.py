@@ -1,6 +1,6 @@
 """Device mesh and THE logical-axis sharding rules.
 
-In: a mesh spec (`data=2,fsdp=4,tensor=1`, a preset name, or sizes from a tpu_configs YAML).
+In: a mesh spec (`data=2,fsdp=4,tensor=1`, a preset name, or a `tpu_configs/*.yaml` recipe).
 Out: a `jax.sharding.Mesh` with axes (data, fsdp, tensor) and the rules that map the model's
 logical axis names onto it. Model code names only logical axes; this table is the one place
 where they meet hardware.
@@ -8,13 +8,22 @@ where they meet hardware.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+import yaml
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# Rows of a packed batch are split over these mesh axes.
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 # (logical axis, mesh axis or axes). Every logical name used in harnessrl/model appears exactly once.
 # Size-1 mesh axes make a rule a no-op, so one table serves every preset.
@@ -38,19 +47,51 @@ MESH_PRESETS: dict[str, dict[str, int]] = {
     "serve": {"data": 1, "fsdp": 1, "tensor": -1},
 }
 
+# Slice recipes live beside the package in the source tree; a path always works too.
+TPU_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "tpu_configs"
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceConfig:
+    """One hardware target from `tpu_configs/`: topology, mesh shape and the settings that suit it."""
+
+    name: str
+    platform: str  # "cpu" | "gpu" | "tpu", as jax.devices()[0].platform reports it
+    accelerator: str  # GKE accelerator label (cloud.google.com/gke-tpu-accelerator or gpu) or "cpu"
+    device_kind: str  # substring of jax Device.device_kind, "" accepts any
+    topology: str
+    machine_type: str
+    chips_per_host: int  # -1: whatever the host shows (CPU)
+    hosts: int
+    mesh: Mapping[str, int]
+    buckets: tuple[tuple[int, int], ...]  # (rows, bucket_len) micro-batch shapes
+    max_step_tokens: int  # token budget of one optimizer step
+    compute_dtype: str
+    param_dtype: str
+    remat: str
+
+    @property
+    def num_devices(self) -> int:
+        return -1 if self.chips_per_host < 0 else self.chips_per_host * self.hosts
+
 
 def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
     """`"data=2,fsdp=-1"` or a preset name → concrete sizes for every mesh axis."""
+    if not isinstance(spec, str):
+        raise TypeError(f"mesh spec must be a string, got {type(spec).__name__}: {spec!r}")
     if spec in MESH_PRESETS:
         sizes = dict(MESH_PRESETS[spec])
     else:
         sizes = {axis: 1 for axis in MESH_AXES}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             name, sep, value = part.partition("=")
+            name = name.strip()
             if not sep or name not in MESH_AXES:
                 raise ValueError(
                     f"mesh spec {spec!r}: expected comma-separated AXIS=SIZE with AXIS in "
-                    f"{MESH_AXES} or a preset in {sorted(MESH_PRESETS)}; got {part!r}"
+                    f"{MESH_AXES}, a preset in {sorted(MESH_PRESETS)}, or a tpu_configs name "
+                    f"in {available_slice_configs()}; got {part!r}"
                 )
             try:
                 sizes[name] = int(value)
@@ -59,7 +100,13 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
     return resolve_mesh_sizes(sizes, num_devices, source=spec)
 
 
-def resolve_mesh_sizes(sizes: dict[str, int], num_devices: int, source: str = "") -> dict[str, int]:
+def resolve_mesh_sizes(
+    sizes: Mapping[str, int], num_devices: int, source: str = ""
+) -> dict[str, int]:
+    unknown = sorted(set(sizes) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh {source!r}: unknown axes {unknown}; axes are {MESH_AXES}")
+    sizes = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
     auto = [axis for axis, size in sizes.items() if size == -1]
     if len(auto) > 1:
         raise ValueError(f"mesh {source!r}: at most one axis may be -1, got {auto}")
@@ -77,20 +124,207 @@ def resolve_mesh_sizes(sizes: dict[str, int], num_devices: int, source: str = ""
             f"mesh {source!r}: axis sizes {sizes} multiply to {math.prod(sizes.values())}, "
             f"but {num_devices} devices are visible; use -1 on one axis to take the rest"
         )
-    return {axis: sizes[axis] for axis in MESH_AXES}
+    return sizes
 
 
-def make_mesh(spec: str = "dp", devices: list[jax.Device] | None = None) -> Mesh:
+def available_slice_configs(directory: Path = TPU_CONFIGS_DIR) -> list[str]:
+    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
+
+
+def _slice_path(name_or_path: str) -> Path | None:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        return path
+    candidate = TPU_CONFIGS_DIR / f"{name_or_path}.yaml"
+    return candidate if candidate.is_file() else None
+
+
+_SLICE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "platform": str,
+    "accelerator": str,
+    "device_kind": str,
+    "topology": str,
+    "machine_type": str,
+    "chips_per_host": int,
+    "hosts": int,
+    "mesh": dict,
+    "buckets": list,
+    "max_step_tokens": int,
+    "compute_dtype": str,
+    "param_dtype": str,
+    "remat": str,
+}
+
+
+def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceConfig:
+    """Read and type-check one `tpu_configs/*.yaml` recipe, then check it against `jax.devices()`.
+
+    `check_devices=False` reads a recipe for another machine (docs, manifests, tests).
+    """
+    path = _slice_path(name_or_path)
+    if path is None or not path.is_file():
+        raise ValueError(
+            f"slice config {name_or_path!r} not found; known: {available_slice_configs()} "
+            f"or pass a path to a .yaml file"
+        )
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"slice config {path}: expected a mapping at top level, got {type(raw)}")
+    unknown = sorted(set(raw) - set(_SLICE_TYPES))
+    if unknown:
+        raise ValueError(
+            f"slice config {path}: unknown keys {unknown}; allowed {sorted(_SLICE_TYPES)}"
+        )
+    missing = sorted(set(_SLICE_TYPES) - set(raw))
+    if missing:
+        raise ValueError(f"slice config {path}: missing keys {missing}")
+    for key, typ in _SLICE_TYPES.items():
+        if not isinstance(raw[key], typ) or isinstance(raw[key], bool):
+            raise ValueError(
+                f"slice config {path}: {key!r} must be {typ.__name__}, got {raw[key]!r}"
+            )
+    if raw["platform"] not in PLATFORMS:
+        raise ValueError(f"slice config {path}: platform {raw['platform']!r} not in {PLATFORMS}")
+    mesh = {str(k): v for k, v in raw["mesh"].items()}
+    if set(mesh) != set(MESH_AXES) or not all(isinstance(v, int) for v in mesh.values()):
+        raise ValueError(
+            f"slice config {path}: mesh must set integer sizes for {MESH_AXES}: {mesh}"
+        )
+    buckets = tuple(tuple(b) for b in raw["buckets"])
+    if not buckets or not all(
+        len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b) for b in buckets
+    ):
+        raise ValueError(
+            f"slice config {path}: buckets must be [[rows, bucket_len], ...]: {buckets}"
+        )
+    cfg = SliceConfig(name=path.stem, **{**raw, "mesh": mesh, "buckets": buckets})
+    if cfg.num_devices > 0:
+        sizes = resolve_mesh_sizes(mesh, cfg.num_devices, source=str(path))
+        batch_shards = sizes["data"] * sizes["fsdp"]
+        bad = [b for b in buckets if b[0] % batch_shards]
+        if bad:
+            raise ValueError(
+                f"slice config {path}: bucket rows must be multiples of data*fsdp={batch_shards}: {bad}"
+            )
+    if check_devices:
+        validate_slice(cfg, jax.devices())
+    return cfg
+
+
+def validate_slice(cfg: SliceConfig, devices: Sequence[jax.Device]) -> dict[str, int]:
+    """Check a recipe against the devices JAX sees; return the concrete mesh sizes."""
+    platforms = sorted({d.platform for d in devices})
+    if platforms != [cfg.platform]:
+        raise ValueError(
+            f"slice config {cfg.name!r} is for platform {cfg.platform!r}, "
+            f"but JAX sees {platforms}; pick the recipe that matches this machine"
+        )
+    kinds = sorted({d.device_kind for d in devices})
+    if cfg.device_kind and not all(_kind_matches(cfg, k) for k in kinds):
+        raise ValueError(
+            f"slice config {cfg.name!r} expects device kind {cfg.device_kind!r}, JAX sees {kinds}"
+        )
+    if cfg.num_devices > 0 and cfg.num_devices != len(devices):
+        raise ValueError(
+            f"slice config {cfg.name!r} describes {cfg.hosts} host(s) x {cfg.chips_per_host} chips "
+            f"= {cfg.num_devices} devices, but JAX sees {len(devices)} "
+            f"(in {jax.process_count()} process(es)); is jax.distributed initialized on every host?"
+        )
+    return resolve_mesh_sizes(cfg.mesh, len(devices), source=cfg.name)
+
+
+def _kind_matches(cfg: SliceConfig, kind: str) -> bool:
+    # TPU kinds nest ("TPU v5" is v5p, "TPU v5 lite" is v5e), so they must match exactly;
+    # GPU kinds carry memory and form-factor suffixes ("NVIDIA H100 80GB HBM3").
+    want, got = cfg.device_kind.lower(), kind.lower()
+    return want == got if cfg.platform == "tpu" else want in got
+
+
+def mesh_sizes(spec: str, devices: Sequence[jax.Device]) -> dict[str, int]:
+    """Concrete axis sizes for `spec`: a preset, `AXIS=SIZE,...`, or a tpu_configs name/path."""
+    if spec not in MESH_PRESETS and "=" not in spec and _slice_path(spec) is not None:
+        return validate_slice(load_slice_config(spec, check_devices=False), devices)
+    return parse_mesh_spec(spec, len(devices))
+
+
+def make_mesh(spec: str = "dp", devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
-    sizes = parse_mesh_spec(spec, len(devices))
-    grid = np.asarray(devices, dtype=object).reshape(tuple(sizes[a] for a in MESH_AXES))
+    sizes = mesh_sizes(spec, devices)
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if devices and devices[0].platform == "tpu":
+        # ICI-aware placement so the innermost axes ride the fastest links.
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    else:
+        grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES)
 
 
-def logical_to_spec(logical: tuple[str | None, ...]) -> PartitionSpec:
+def init_distributed(env: Mapping[str, str] | None = None) -> bool:
+    """Start `jax.distributed` when the environment describes a multi-process job.
+
+    Reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (set by the learner's
+    Kubernetes manifests or by hand); on Cloud TPU pod slices `HARNESSRL_DISTRIBUTED=auto` lets
+    JAX detect everything itself. Must run before anything touches a JAX device. Returns whether
+    it initialized.
+    """
+    env = os.environ if env is None else env
+    if jax.distributed.is_initialized():
+        return False
+    if env.get("HARNESSRL_DISTRIBUTED") == "auto":
+        jax.distributed.initialize()
+        return True
+    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    present = [n for n in names if env.get(n)]
+    if not present:
+        return False
+    if len(present) != len(names):
+        raise ValueError(f"multi-process start needs all of {names}; only {present} are set")
+    try:
+        num, pid = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+    except ValueError as err:
+        raise ValueError(
+            f"JAX_NUM_PROCESSES={env['JAX_NUM_PROCESSES']!r} and JAX_PROCESS_ID="
+            f"{env['JAX_PROCESS_ID']!r} must be integers"
+        ) from err
+    jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], num_processes=num, process_id=pid)
+    return True
+
+
+def logical_to_spec(
+    logical: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Logical names → PartitionSpec via the table.
+
+    With `shape` and `mesh`, a dimension its mesh axes do not divide stays replicated (e.g.
+    SmolLM2's 9 heads on tensor=2), and a mesh axis is used at most once per array.
+    """
     rules = dict(LOGICAL_AXIS_RULES)
-    return PartitionSpec(*(None if name is None else rules[name] for name in logical))
+    used: set[str] = set()
+    out: list[Any] = []
+    for i, name in enumerate(logical):
+        if name is not None and name not in rules:
+            raise ValueError(
+                f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES in "
+                f"harnessrl/learner/mesh.py (known: {sorted(rules)})"
+            )
+        target = None if name is None else rules[name]
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = tuple(a for a in axes if a not in used)
+        if shape is not None and mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+            if axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
+                axes = ()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
 
 
-def logical_sharding(mesh: Mesh, logical: tuple[str | None, ...]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(logical))
+def logical_sharding(
+    mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int] | None = None
+) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical, shape, mesh if shape is not None else None))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of `[rows, bucket_len]` training arrays: rows over (data, fsdp)."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))

@@ -1,0 +1,109 @@
+"""Learner stage: checkpoints through orbax's CheckpointManager (async writes, keep-N).
+
+In: the learner's sharded params and optimizer state plus a small JSON record (step, RNG key,
+data-iterator position). Out: a step directory per save; restore returns arrays placed on the
+shardings the caller asks for. A save interrupted by a crash is never picked up by restore:
+orbax commits a step only once every file is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+STATE_ITEM = "state"  # params + optimizer state (sharded arrays)
+META_ITEM = "meta"  # JSON: step, rng key data, data position
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    params: Any
+    opt_state: Any
+    step: int
+    rng: jax.Array
+    data_position: Any
+
+
+class Checkpointer:
+    """A thin owner of one `ocp.CheckpointManager`; every process of a job calls it alike."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True) -> None:
+        if not isinstance(keep, int) or keep <= 0:
+            raise ValueError(f"keep={keep!r} must be a positive integer (checkpoints to retain)")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,  # leftovers of a save that a crash cut short
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=(STATE_ITEM, META_ITEM)
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(
+        self, step: int, params: Any, opt_state: Any, rng: jax.Array, data_position: Any = None
+    ) -> None:
+        """Start writing step `step`; returns once the arrays are copied off the device."""
+        meta = {
+            "step": int(step),
+            "rng": np.asarray(jax.random.key_data(rng)).tolist(),
+            "rng_impl": str(jax.random.key_impl(rng)),
+            "data_position": data_position,
+        }
+        state = {"params": params, "opt_state": opt_state}
+        args = ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
+        )
+        self._manager.save(int(step), args=args, force=True)
+
+    def restore(
+        self, abstract_params: Any, abstract_opt_state: Any, step: int | None = None
+    ) -> Restored:
+        """Read `step` (default: the latest committed one) onto the given abstract shardings.
+
+        `abstract_*` are trees of `jax.ShapeDtypeStruct` carrying `sharding`, so each process
+        reads only its own shards.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"no committed checkpoint in {self.directory}")
+        if step not in self.all_steps():
+            raise ValueError(
+                f"step={step} is not among the checkpoints {self.all_steps()} in {self.directory}"
+            )
+        target = {"params": abstract_params, "opt_state": abstract_opt_state}
+        args = ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardRestore(target), META_ITEM: ocp.args.JsonRestore()}
+        )
+        out = self._manager.restore(step, args=args)
+        meta = out[META_ITEM]
+        key_data = np.asarray(meta["rng"], dtype=np.uint32)
+        rng = jax.random.wrap_key_data(key_data, impl=meta.get("rng_impl") or None)
+        state = out[STATE_ITEM]
+        return Restored(
+            params=state["params"],
+            opt_state=state["opt_state"],
+            step=int(meta["step"]),
+            rng=rng,
+            data_position=meta["data_position"],
+        )
+
+    def wait(self) -> None:
+        """Block until pending async writes are committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

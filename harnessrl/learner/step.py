@@ -1,0 +1,287 @@
+"""Learner stage: the sharded train step.
+
+In: a Flax NNX decoder, a `LearnerConfig`, and per step a list of packed micro-batches
+(`harnessrl.data.pack.PackedBatch`, any count, shapes from a fixed bucket set). Out: updated,
+sharded params and optimizer state, step metrics, checkpoints and HF exports.
+
+One jitted micro-step adds the gradient of `sum(token_weights * per_token_loss)` into donated
+accumulators; one jitted apply clips, runs AdamW and zeroes the accumulators in place. Compiles
+are bounded by the number of bucket shapes plus one, whatever a step's sample count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from harnessrl.learner import losses
+from harnessrl.learner.checkpoint import Checkpointer
+from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.mesh import batch_sharding, make_mesh
+from harnessrl.learner.optimizer import make_optimizer, make_schedule, opt_state_shardings
+from harnessrl.learner.params import (
+    abstract_like,
+    gather_to_host,
+    param_shardings,
+    place,
+    split_model,
+)
+
+BATCH_FIELDS: dict[str, Any] = {
+    "tokens": np.int32,
+    "positions": np.int32,
+    "segment_ids": np.int32,
+    "loss_mask": np.float32,
+    "behavior_logprobs": np.float32,
+    "advantages": np.float32,
+    "token_weights": np.float32,
+}
+
+
+def batch_arrays(batch: Any) -> dict[str, np.ndarray]:
+    """A PackedBatch (or a mapping of its 7 arrays) → checked, typed numpy arrays."""
+    arrays = batch.as_dict() if hasattr(batch, "as_dict") else batch
+    if not isinstance(arrays, Mapping):
+        raise TypeError(
+            f"micro-batch must be a PackedBatch or a mapping, got {type(batch).__name__}"
+        )
+    missing = sorted(set(BATCH_FIELDS) - set(arrays))
+    if missing:
+        raise ValueError(
+            f"micro-batch is missing arrays {missing}; expected {sorted(BATCH_FIELDS)}"
+        )
+    out = {name: np.asarray(arrays[name]) for name in BATCH_FIELDS}
+    shape = out["tokens"].shape
+    for name, arr in out.items():
+        if arr.ndim != 2 or arr.shape != shape:
+            raise ValueError(
+                f"micro-batch array {name!r} has shape {arr.shape}, tokens {shape}; all must be [rows, bucket_len]"
+            )
+        if np.dtype(arr.dtype) != np.dtype(BATCH_FIELDS[name]):
+            if arr.dtype.kind != np.dtype(BATCH_FIELDS[name]).kind:
+                raise TypeError(
+                    f"micro-batch array {name!r} has dtype {arr.dtype}, expected {np.dtype(BATCH_FIELDS[name])}"
+                )
+            out[name] = arr.astype(BATCH_FIELDS[name])
+    return out
+
+
+class Learner:
+    """Owns the mesh, the sharded train state and the compiled programs of one policy."""
+
+    def __init__(
+        self, model: nnx.Module, cfg: LearnerConfig | None = None, mesh: Mesh | None = None
+    ) -> None:
+        self.cfg = cfg = cfg if cfg is not None else LearnerConfig()
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+        self.parts, params = split_model(model, cfg.compute_dtype, cfg.param_dtype, cfg.remat)
+        self.param_shardings = param_shardings(self.parts, params, self.mesh)
+        self.optimizer = make_optimizer(cfg)
+        self._schedule = make_schedule(cfg)
+        abstract_params = abstract_like(params, self.param_shardings)
+        self.opt_shardings = opt_state_shardings(
+            self.optimizer, abstract_params, self.param_shardings, self.mesh
+        )
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._batch_sharding = batch_sharding(self.mesh)
+        self._batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.traces: dict[str, int] = {"micro_step": 0, "apply": 0, "score": 0}
+        self._token_loss = losses.make_token_loss(
+            cfg.eps_low, cfg.eps_high, cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef
+        )
+        self.params = place(params, self.param_shardings)
+        # The frozen reference is held only when its KL term is on (chosen here, not in jit).
+        self.ref_params = place(params, self.param_shardings) if cfg.kl_coef else None
+        with jax.set_mesh(self.mesh):
+            self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
+                self.params
+            )
+        self._grads = self._zeros_like_params()
+        self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
+        self.step = 0
+        self.rng = jax.random.key(cfg.seed)
+        self._build_programs()
+        self.checkpointer = (
+            Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.async_checkpoint)
+            if cfg.checkpoint_dir
+            else None
+        )
+
+    # ---- compiled programs -------------------------------------------------------------------
+
+    def _zeros_like_params(self) -> Any:
+        zeros = jax.jit(
+            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+            out_shardings=self.param_shardings,
+        )
+        return zeros(self.params)
+
+    def _build_programs(self) -> None:
+        ps, rep, bs = self.param_shardings, self._replicated, self._batch_sharding
+        batch_s = {name: bs for name in BATCH_FIELDS}
+        ref_s = ps if self.ref_params is not None else None
+        self._micro = jax.jit(
+            self._micro_step,
+            in_shardings=(ps, ref_s, ps, rep, batch_s),
+            out_shardings=(ps, rep),
+            donate_argnums=(2, 3),
+        )
+        self._apply = jax.jit(
+            self._apply_update,
+            in_shardings=(ps, self.opt_shardings, ps, rep),
+            out_shardings=(ps, self.opt_shardings, ps, rep),
+            donate_argnums=(0, 1, 2),
+        )
+        self._score = jax.jit(self._score_tokens, in_shardings=(ps, batch_s), out_shardings=bs)
+
+    def _logits(self, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+        model = self.parts.merge(params)
+        return model(batch["tokens"], batch["positions"], batch["segment_ids"])
+
+    def _micro_step(
+        self, params: Any, ref_params: Any, grads: Any, sums: Any, batch: Any
+    ) -> tuple[Any, Any]:
+        self.traces["micro_step"] += 1  # runs once per trace, i.e. once per compiled shape
+        ref_logits = None
+        if ref_params is not None:
+            ref_logits = jax.lax.stop_gradient(self._logits(ref_params, batch))
+
+        def loss(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+            return self._token_loss(self._logits(p, batch), batch, ref_logits)
+
+        (_, metrics), g = jax.value_and_grad(loss, has_aux=True)(params)
+        grads = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), grads, g)
+        sums = {k: sums[k] + metrics[k] for k in sums}
+        return grads, sums
+
+    def _apply_update(
+        self, params: Any, opt_state: Any, grads: Any, step: jax.Array
+    ) -> tuple[Any, Any, Any, Any]:
+        self.traces["apply"] += 1
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        stats = {
+            "grad_norm": optax.global_norm(grads),
+            "update_norm": optax.global_norm(updates),
+            "param_norm": optax.global_norm(new_params),
+            "lr": jnp.asarray(self._schedule(step), jnp.float32),
+        }
+        return new_params, opt_state, jax.tree.map(jnp.zeros_like, grads), stats
+
+    def _score_tokens(self, params: Any, batch: Any) -> jax.Array:
+        self.traces["score"] += 1
+        logp_bt, _ = losses.token_logprobs(self._logits(params, batch), batch["tokens"])
+        return logp_bt
+
+    @property
+    def compile_count(self) -> int:
+        """Programs traced (hence compiled) for training so far: micro-step shapes + apply."""
+        return self.traces["micro_step"] + self.traces["apply"]
+
+    # ---- host-facing API ---------------------------------------------------------------------
+
+    def put_batch(self, batch: Any) -> dict[str, jax.Array]:
+        """This process's rows of one micro-batch → global arrays sharded over (data, fsdp)."""
+        arrays = batch_arrays(batch)
+        rows = arrays["tokens"].shape[0] * jax.process_count()
+        if rows % self._batch_shards:
+            raise ValueError(
+                f"micro-batch has {rows} rows in all, not a multiple of data*fsdp="
+                f"{self._batch_shards} of mesh {dict(self.mesh.shape)}; choose bucket rows accordingly"
+            )
+        return {
+            name: jax.make_array_from_process_local_data(self._batch_sharding, arr)
+            for name, arr in arrays.items()
+        }
+
+    def train_step(self, batches: Sequence[Any]) -> dict[str, float]:
+        """One optimizer step over any number of micro-batches; returns step metrics."""
+        if not batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        with jax.set_mesh(self.mesh):
+            for batch in batches:
+                self._grads, self._sums = self._micro(
+                    self.params, self.ref_params, self._grads, self._sums, self.put_batch(batch)
+                )
+            sums = jax.device_get(self._sums)
+            self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
+            step = jnp.asarray(self.step, jnp.int32)
+            self.params, self.opt_state, self._grads, stats = self._apply(
+                self.params, self.opt_state, self._grads, step
+            )
+        self.step += 1
+        out = losses.finalize_metrics(sums)
+        out.update({k: float(v) for k, v in jax.device_get(stats).items()})
+        out.update(
+            step=float(self.step),
+            micro_batches=float(len(batches)),
+            compiles=float(self.compile_count),
+        )
+        return out
+
+    def score(self, batch: Any) -> np.ndarray:
+        """Per-token learner logprobs `[rows, len]`, target-aligned (all processes' rows)."""
+        with jax.set_mesh(self.mesh):
+            logp = self._score(self.params, self.put_batch(batch))
+        return np.asarray(gather_to_host(logp))
+
+    def next_rng(self) -> jax.Array:
+        """A fresh key for host-side randomness; the chain is checkpointed with the params."""
+        self.rng, key = jax.random.split(self.rng)
+        return key
+
+    # ---- checkpoints and export --------------------------------------------------------------
+
+    def save(self, data_position: Any = None) -> None:
+        """Checkpoint the current step (async when configured); `data_position` is JSON."""
+        if self.checkpointer is None:
+            raise ValueError("save() needs LearnerConfig.checkpoint_dir to be set")
+        self.checkpointer.save(self.step, self.params, self.opt_state, self.rng, data_position)
+
+    def maybe_save(self, data_position: Any = None) -> bool:
+        if self.checkpointer is None or self.step % self.cfg.checkpoint_every:
+            return False
+        self.save(data_position)
+        return True
+
+    def restore(self, step: int | None = None) -> Any:
+        """Load the latest (or given) checkpoint in place; returns its data position."""
+        if self.checkpointer is None:
+            raise ValueError("restore() needs LearnerConfig.checkpoint_dir to be set")
+        restored = self.checkpointer.restore(
+            abstract_like(self.params, self.param_shardings),
+            abstract_like(self.opt_state, self.opt_shardings),
+            step,
+        )
+        self.params, self.opt_state = restored.params, restored.opt_state
+        self.step, self.rng = restored.step, restored.rng
+        return restored.data_position
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    def params_state(self) -> nnx.State:
+        """Current weights as the model's `nnx.State` of Params (host numpy arrays)."""
+        return self.parts.params_state(gather_to_host(self.params))
+
+    def model(self) -> nnx.Module:
+        """A module holding a host copy of the current weights (serving, export, evaluation)."""
+        return self.parts.merge(gather_to_host(self.params))
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Write the current weights as an HF safetensors folder (process 0 writes)."""
+        from harnessrl.model import export
+
+        model = self.model()
+        if jax.process_index() == 0:
+            export.export_hf(model, out_dir)
+        return Path(out_dir)
