@@ -36,6 +36,37 @@ TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
 TERMINAL_STATES = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
 
 
+class UnknownRollout(KeyError):
+    """A rollout id that no store record exists for."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(rollout_id)
+        self.rollout_id = rollout_id
+
+    def __str__(self) -> str:
+        return f"unknown rollout {self.rollout_id!r}: create it with create_rollout() first"
+
+
+class InvalidTransition(ValueError):
+    """A state change that TRANSITIONS does not allow."""
+
+    def __init__(self, rollout_id: str, current: RolloutState, target: RolloutState) -> None:
+        allowed = sorted(s.value for s in TRANSITIONS[current]) or ["nothing (terminal)"]
+        super().__init__(
+            f"rollout {rollout_id!r} cannot go from {current.value!r} to {target.value!r}; "
+            f"allowed from {current.value!r}: {', '.join(allowed)}"
+        )
+        self.rollout_id = rollout_id
+        self.current = current
+        self.target = target
+
+
+def check_transition(rollout_id: str, current: RolloutState, target: RolloutState) -> None:
+    """Raise InvalidTransition unless `current -> target` is in TRANSITIONS."""
+    if target not in TRANSITIONS[current]:
+        raise InvalidTransition(rollout_id, current, target)
+
+
 class EndpointKind(enum.StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
@@ -97,6 +128,10 @@ class TraceStore(Protocol):
 
     def add_call(self, call: CallRecord) -> int:
         """Persist a call durably before returning; returns the sequence number it got."""
+        ...
+
+    def add_calls(self, calls: list[CallRecord]) -> list[int]:
+        """Persist several calls in one transaction (group commit); their sequence numbers."""
         ...
 
     def calls(self, rollout_id: str) -> list[CallRecord]:

@@ -1,0 +1,194 @@
+"""The SQL shared by the trace stores: calls (append-only) and rollouts (a small state machine).
+
+In: records from the sidecar and the launcher. Out: the `TraceStore` protocol implemented over a
+DB-API connection. Subclasses supply the connection, the transaction and how a rollout's next
+sequence numbers are reserved; the statements use `?` and are rewritten once for other drivers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from harnessrl.traces import rows
+from harnessrl.traces.schema import (
+    CallRecord,
+    RolloutRecord,
+    RolloutState,
+    UnknownRollout,
+    check_transition,
+)
+
+_CALL_COLS = ", ".join(rows.CALL_COLUMNS)
+_ROLLOUT_COLS = ", ".join(rows.ROLLOUT_COLUMNS)
+
+
+class SQLStoreBase:
+    """Thread-safe trace store over one connection (callers in several threads share a lock)."""
+
+    placeholder = "?"
+    for_update = ""  # row lock suffix for read-modify-write; SQLite locks the whole database
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._closed = False
+        self._sql = {
+            "insert_call": f"INSERT INTO calls ({_CALL_COLS}) VALUES "
+            f"({', '.join('?' * len(rows.CALL_COLUMNS))})",
+            "calls": f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY seq",
+            "count": "SELECT COUNT(*) FROM calls",
+            "count_rollout": "SELECT COUNT(*) FROM calls WHERE rollout_id = ?",
+            "insert_rollout": f"INSERT INTO rollouts ({_ROLLOUT_COLS}) VALUES "
+            f"({', '.join('?' * len(rows.ROLLOUT_COLUMNS))}) ON CONFLICT (rollout_id) DO NOTHING",
+            "rollout": f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?",
+            "rollouts": f"SELECT {_ROLLOUT_COLS} FROM rollouts ORDER BY created_at, rollout_id",
+            "rollouts_group": f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE group_id = ? "
+            "ORDER BY created_at, rollout_id",
+            "update_rollout": "UPDATE rollouts SET state = ?, reward = ?, exit_code = ?, "
+            "info = ?, updated_at = ? WHERE rollout_id = ?",
+            "set_reward": "UPDATE rollouts SET reward = ?, updated_at = ? WHERE rollout_id = ?",
+        }
+        if self.placeholder != "?":
+            self._sql = {k: v.replace("?", self.placeholder) for k, v in self._sql.items()}
+
+    # --- what subclasses provide -------------------------------------------------------------
+    def _transaction(self) -> contextlib.AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def _cursor(self) -> Any:
+        raise NotImplementedError
+
+    def _reserve_seqs(self, cur: Any, rollout_id: str, count: int) -> int:
+        """Reserve `count` consecutive sequence numbers of a rollout; returns the first."""
+        raise NotImplementedError
+
+    def _close_connection(self) -> None:
+        raise NotImplementedError
+
+    # --- calls -------------------------------------------------------------------------------
+    def add_call(self, call: CallRecord) -> int:
+        return self.add_calls([call])[0]
+
+    def add_calls(self, calls: list[CallRecord]) -> list[int]:
+        for call in calls:
+            rows.check_call(call)
+        if not calls:
+            return []
+        counts: dict[str, int] = {}
+        for call in calls:
+            counts[call.rollout_id] = counts.get(call.rollout_id, 0) + 1
+        with self._locked(), self._transaction() as cur:
+            nxt = {rid: self._reserve_seqs(cur, rid, n) for rid, n in counts.items()}
+            seqs = []
+            for call in calls:
+                seqs.append(nxt[call.rollout_id])
+                nxt[call.rollout_id] += 1
+            cur.executemany(
+                self._sql["insert_call"],
+                [rows.call_to_row(c, s) for c, s in zip(calls, seqs, strict=True)],
+            )
+        return seqs
+
+    def calls(self, rollout_id: str) -> list[CallRecord]:
+        with self._locked():
+            cur = self._cursor()
+            cur.execute(self._sql["calls"], (rollout_id,))
+            return [rows.row_to_call(r) for r in cur.fetchall()]
+
+    def count_calls(self, rollout_id: str | None = None) -> int:
+        with self._locked():
+            cur = self._cursor()
+            if rollout_id is None:
+                cur.execute(self._sql["count"])
+            else:
+                cur.execute(self._sql["count_rollout"], (rollout_id,))
+            return int(cur.fetchone()[0])
+
+    # --- rollouts ----------------------------------------------------------------------------
+    def create_rollout(self, rollout: RolloutRecord) -> None:
+        rows.check_rollout(rollout)
+        now = time.time()
+        row = list(rows.rollout_to_row(rollout))
+        row[8] = rollout.created_at or now
+        row[9] = rollout.updated_at or now
+        with self._locked(), self._transaction() as cur:
+            cur.execute(self._sql["insert_rollout"], row)
+            if cur.rowcount == 0:
+                raise ValueError(
+                    f"rollout {rollout.rollout_id!r} already exists; use a new rollout_id "
+                    "(attempts of one task differ by rollout_id and attempt)"
+                )
+
+    def rollout(self, rollout_id: str) -> RolloutRecord:
+        with self._locked():
+            cur = self._cursor()
+            cur.execute(self._sql["rollout"], (rollout_id,))
+            row = cur.fetchone()
+        if row is None:
+            raise UnknownRollout(rollout_id)
+        return rows.row_to_rollout(row)
+
+    def rollouts(self, group_id: str | None = None) -> list[RolloutRecord]:
+        with self._locked():
+            cur = self._cursor()
+            if group_id is None:
+                cur.execute(self._sql["rollouts"])
+            else:
+                cur.execute(self._sql["rollouts_group"], (group_id,))
+            return [rows.row_to_rollout(r) for r in cur.fetchall()]
+
+    def transition(self, rollout_id: str, state: RolloutState, **fields: Any) -> RolloutRecord:
+        try:
+            target = RolloutState(state)
+        except ValueError as err:
+            raise ValueError(
+                f"state must be one of {[s.value for s in RolloutState]}, got {state!r}"
+            ) from err
+        fields = rows.check_fields(fields)
+        with self._locked(), self._transaction() as cur:
+            cur.execute(self._sql["rollout"] + self.for_update, (rollout_id,))
+            row = cur.fetchone()
+            if row is None:
+                raise UnknownRollout(rollout_id)
+            current = rows.row_to_rollout(row)
+            check_transition(rollout_id, current.state, target)
+            info = {**current.info, **fields.get("info", {})}
+            reward = fields.get("reward", current.reward)
+            exit_code = fields.get("exit_code", current.exit_code)
+            now = time.time()
+            cur.execute(
+                self._sql["update_rollout"],
+                (target.value, reward, exit_code, rows.dumps(info), now, rollout_id),
+            )
+        return self.rollout(rollout_id)
+
+    def set_reward(self, rollout_id: str, reward: float) -> RolloutRecord:
+        value = rows.check_reward(reward)
+        with self._locked(), self._transaction() as cur:
+            cur.execute(self._sql["set_reward"], (value, time.time(), rollout_id))
+            if cur.rowcount == 0:
+                raise UnknownRollout(rollout_id)
+        return self.rollout(rollout_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._close_connection()
+
+    # --- helpers -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"{type(self).__name__} is closed; open a new store")
+            yield
+
+    def __enter__(self) -> SQLStoreBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,104 @@
+"""SQLite trace store: the embedded default, one file in WAL mode.
+
+In: call and rollout records from the sidecar and the launcher (possibly in other processes).
+Out: durable rows. A commit returns only after SQLite has written the WAL frames, so a call that
+was committed survives `kill -9` of any process; `synchronous="FULL"` also survives power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+from harnessrl.traces.sql import SQLStoreBase
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS calls (
+    id INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    finished_at REAL NOT NULL,
+    endpoint TEXT NOT NULL,
+    request TEXT NOT NULL,
+    response TEXT,
+    prompt_token_ids TEXT NOT NULL,
+    choices TEXT NOT NULL,
+    policy_version INTEGER,
+    upstream TEXT NOT NULL,
+    latency_ms REAL NOT NULL,
+    status INTEGER NOT NULL,
+    error TEXT,
+    UNIQUE (rollout_id, seq)
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT PRIMARY KEY,
+    task_id TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    reward REAL,
+    exit_code INTEGER,
+    info TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id);
+"""
+
+SYNCHRONOUS_MODES = ("NORMAL", "FULL")
+
+
+class SQLiteTraceStore(SQLStoreBase):
+    """`SQLiteTraceStore(path)`; `synchronous="FULL"` fsyncs every commit (power-loss safe)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, synchronous: str = "NORMAL") -> None:
+        if not isinstance(path, str | os.PathLike) or not str(path):
+            raise ValueError(f"path must be a file path or ':memory:', got {path!r}")
+        if synchronous not in SYNCHRONOUS_MODES:
+            raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, got {synchronous!r}")
+        super().__init__()
+        self.path = str(path)
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if self.path != ":memory:" and not os.path.isdir(parent):
+            raise ValueError(f"path {self.path!r}: directory {parent!r} does not exist; create it")
+        # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE takes the write lock up
+        # front, so reserving sequence numbers never races another writer process).
+        self._conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+        )
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._conn.execute("PRAGMA busy_timeout=30000")
+        with self._transaction() as cur:
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                cur.execute(statement)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Cursor]:
+        cur = self._conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+        except BaseException:
+            self._conn.rollback()
+            raise
+        else:
+            cur.execute("COMMIT")
+        finally:
+            cur.close()
+
+    def _cursor(self) -> sqlite3.Cursor:
+        return self._conn.cursor()
+
+    def _reserve_seqs(self, cur: Any, rollout_id: str, count: int) -> int:
+        cur.execute(
+            "SELECT COALESCE(MAX(seq) + 1, 0) FROM calls WHERE rollout_id = ?", (rollout_id,)
+        )
+        return int(cur.fetchone()[0])
+
+    def _close_connection(self) -> None:
+        self._conn.close()

@@ -1,0 +1,159 @@
+"""The sidecar ASGI app: the route list and the lifespan that opens store, client and writer.
+
+In: a `SidecarConfig` (and optionally an already-open trace store). Out: a Starlette app whose
+routes are pure-ASGI handlers; nothing lives in module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from harnessrl.traces import open_store
+from harnessrl.traces.schema import EndpointKind
+from proxy_sidecar import __version__
+from proxy_sidecar.config import SidecarConfig
+from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
+from proxy_sidecar.errors import SidecarError, error_body, send_error, send_json
+from proxy_sidecar.metrics import Metrics
+from proxy_sidecar.proxy import response_headers, rollout_of, upstream_headers
+from proxy_sidecar.recorder import Recorder
+from proxy_sidecar.upstream import UpstreamFailure, UpstreamPool
+
+from proxy_sidecar.proxy import ProxyEndpoint  # isort: skip
+
+
+class Passthrough:
+    """`GET /v1/models`: answered by the rollout's upstream, not recorded."""
+
+    def __init__(self, state: SidecarState, path: str) -> None:
+        self.state = state
+        self.path = path
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            rollout_id = rollout_of(scope, self.state.config.default_rollout)
+            _, resp = await self.state.pool.request(
+                rollout_id, "GET", self.path, upstream_headers(scope), None
+            )
+            try:
+                body = await resp.read()
+            except UpstreamFailure as err:
+                await send_json(send, 502, error_body(502, str(err), "upstream_error"))
+                return
+        except SidecarError as err:
+            await send_error(send, err)
+            return
+        headers, _ = response_headers(resp)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class Health:
+    def __init__(self, state: SidecarState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        ups = [{"url": u.url, "failures": u.failures} for u in self.state.pool.upstreams]
+        body = {"status": "ok", "version": __version__, "upstreams": ups, **self.state.status()}
+        await send_json(send, 200, orjson.dumps(body))
+
+
+class MetricsEndpoint:
+    def __init__(self, state: SidecarState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body, ctype = self.state.metrics.render()
+        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 400
+    message = {404: f"no route {request.url.path!r}", 405: "method not allowed"}.get(
+        status, str(getattr(exc, "detail", exc))
+    )
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return Response(error_body(status, message, kind), status, media_type="application/json")
+
+
+def routes(state: SidecarState) -> list[Route]:
+    chat, comp = EndpointKind.CHAT, EndpointKind.COMPLETIONS
+    out = []
+    for prefix in ("/rollouts/{rollout_id}/v1", "/v1"):
+        out += [
+            Route(
+                f"{prefix}/chat/completions",
+                ProxyEndpoint(state, chat, "/v1/chat/completions"),
+                methods=["POST"],
+            ),
+            Route(
+                f"{prefix}/completions",
+                ProxyEndpoint(state, comp, "/v1/completions"),
+                methods=["POST"],
+            ),
+            Route(f"{prefix}/models", Passthrough(state, "/v1/models"), methods=["GET"]),
+        ]
+    out += [
+        Route("/health", Health(state), methods=["GET"]),
+        Route("/metrics", MetricsEndpoint(state), methods=["GET"]),
+        Route("/rollouts/{rollout_id}/reward", RolloutEndpoint(state, "reward"), methods=["POST"]),
+        Route("/rollouts/{rollout_id}/finish", RolloutEndpoint(state, "finish"), methods=["POST"]),
+        Route("/control/status", ControlEndpoint(state, "status"), methods=["GET"]),
+    ]
+    for action in ("pause", "resume", "policy_version", "mode"):
+        out.append(Route(f"/control/{action}", ControlEndpoint(state, action), methods=["POST"]))
+    return out
+
+
+def build_app(config: SidecarConfig, store: Any = None) -> Starlette:
+    """The sidecar app. A `store` passed in is used as is and left open at shutdown."""
+    state = SidecarState(config, store, Metrics())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        own_store = state.store is None
+        if own_store:
+            options = (
+                {"synchronous": "FULL"}
+                if config.fsync and config.store.startswith("sqlite")
+                else {}
+            )
+            state.store = open_store(config.store, **options)
+        state.pool = UpstreamPool(
+            config.upstreams,
+            client=config.client,
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            retries=config.retries,
+            eject_s=config.eject_s,
+        )
+        await state.pool.start()
+        state.recorder = Recorder(state.store, batch_max=config.batch_max)
+        state.recorder.start()
+        try:
+            yield
+        finally:
+            await state.recorder.stop()
+            await state.pool.close()
+            if own_store:
+                state.store.close()
+
+    app = Starlette(
+        routes=routes(state),
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+    )
+    app.state.sidecar = state
+    return app

@@ -1,0 +1,226 @@
+"""Runtime state and the token-protected control and rollout APIs.
+
+In: `POST /control/{pause,resume,policy_version,mode}`, `GET /control/status`,
+`POST /rollouts/{id}/{reward,finish}`. Out: JSON status; a paused sidecar holds new calls (bounded)
+instead of failing them, so a harness needs no retry logic across a weight swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+from harnessrl.traces.schema import InvalidTransition, RolloutState, UnknownRollout
+from proxy_sidecar.config import MODES, SidecarConfig
+from proxy_sidecar.errors import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    SidecarError,
+    Unauthorized,
+    Unavailable,
+    send_error,
+    send_json,
+)
+from proxy_sidecar.metrics import Metrics
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class SidecarState:
+    """Everything a request handler needs; one per app, created at startup."""
+
+    def __init__(self, config: SidecarConfig, store: Any, metrics: Metrics) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.mode = config.mode
+        self.policy_version = config.policy_version
+        self.in_flight = 0
+        self.paused = False
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.pool: Any = None
+        self.recorder: Any = None
+        if config.policy_version is not None:
+            metrics.policy_version.set(config.policy_version)
+
+    async def enter(self) -> None:
+        """Admit one call, waiting (bounded) while paused."""
+        if self.paused:
+            try:
+                await asyncio.wait_for(self._open.wait(), self.config.pause_timeout_s)
+            except TimeoutError as err:
+                raise Unavailable(
+                    f"sidecar paused for more than {self.config.pause_timeout_s}s (weight swap?)"
+                ) from err
+        self.in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.set(self.in_flight)
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def pause(self) -> None:
+        self.paused = True
+        self._open.clear()
+        self.metrics.paused.set(1)
+
+    def resume(self) -> None:
+        self.paused = False
+        self._open.set()
+        self.metrics.paused.set(0)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no call is in flight; False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused,
+            "in_flight": self.in_flight,
+            "policy_version": self.policy_version,
+            "mode": self.mode,
+        }
+
+
+def authorize(scope: Scope, token: str | None) -> None:
+    if token is None:  # only allowed when bound to loopback (SidecarConfig checks)
+        return
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, given = value.partition(b" ")
+            if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode()):
+                return
+            break
+    raise Unauthorized("missing or wrong bearer token for the control API")
+
+
+async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise BadRequest("client went away before sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"control body larger than {limit} bytes")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise BadRequest(f"body is not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise BadRequest(f"body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _number(body: dict[str, Any], key: str, *, integer: bool = False) -> Any:
+    value = body.get(key)
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(f"'{key}' must be {kind}, got {value!r}", param=key)
+    if not math.isfinite(value):
+        raise BadRequest(f"'{key}' must be finite, got {value!r}", param=key)
+    return value
+
+
+class ControlEndpoint:
+    """`/control/{action}`; one pure-ASGI object serves all actions."""
+
+    def __init__(self, state: SidecarState, action: str) -> None:
+        self.state = state
+        self.action = action
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            authorize(scope, self.state.config.control_token)
+            body = await read_json(receive) if scope["method"] == "POST" else {}
+            await send_json(send, 200, orjson.dumps(await self._act(body)))
+        except SidecarError as err:
+            await send_error(send, err)
+
+    async def _act(self, body: dict[str, Any]) -> dict[str, Any]:
+        state = self.state
+        if self.action == "pause":
+            state.pause()
+            timeout = body.get("drain_timeout_s", 0)
+            if timeout:
+                await state.drain(float(_number(body, "drain_timeout_s")))
+        elif self.action == "resume":
+            state.resume()
+        elif self.action == "policy_version":
+            version = _number(body, "version", integer=True)
+            if version < 0:
+                raise BadRequest(f"'version' must be >= 0, got {version}", param="version")
+            state.policy_version = version
+            state.metrics.policy_version.set(version)
+        elif self.action == "mode":
+            if body.get("mode") not in MODES:
+                raise BadRequest(f"'mode' must be one of {MODES}, got {body.get('mode')!r}")
+            state.mode = body["mode"]
+        return state.status()
+
+
+class RolloutEndpoint:
+    """`POST /rollouts/{rollout_id}/reward` and `/finish`: write to the trace store."""
+
+    def __init__(self, state: SidecarState, action: str) -> None:
+        self.state = state
+        self.action = action
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            authorize(scope, self.state.config.control_token)
+            body = await read_json(receive)
+            rollout_id = scope["path_params"]["rollout_id"]
+            record = await asyncio.to_thread(self._apply, rollout_id, body)
+            payload = {
+                "rollout_id": rollout_id,
+                "state": record.state.value,
+                "reward": record.reward,
+            }
+            await send_json(send, 200, orjson.dumps(payload))
+        except UnknownRollout as err:
+            await send_error(send, NotFound(str(err)))
+        except InvalidTransition as err:
+            await send_error(send, Conflict(str(err)))
+        except (ValueError, TypeError) as err:
+            await send_error(send, BadRequest(str(err)))
+        except SidecarError as err:
+            await send_error(send, err)
+
+    def _apply(self, rollout_id: str, body: dict[str, Any]) -> Any:
+        store = self.state.store
+        if self.action == "reward":
+            return store.set_reward(rollout_id, float(_number(body, "reward")))
+        target = body.get("state")
+        if target not in (RolloutState.SUCCEEDED.value, RolloutState.FAILED.value):
+            raise BadRequest(f"'state' must be 'succeeded' or 'failed', got {target!r}")
+        fields = {k: body[k] for k in ("reward", "exit_code", "info") if k in body}
+        if store.rollout(rollout_id).state is RolloutState.QUEUED:
+            # A harness that reports back has run, even if nobody marked it running.
+            store.transition(rollout_id, RolloutState.RUNNING)
+        return store.transition(rollout_id, RolloutState(target), **fields)

@@ -1,0 +1,97 @@
+"""Sidecar domain errors and their OpenAI-style HTTP bodies.
+
+In: failures raised anywhere in the sidecar. Out: `{"error": {...}}` JSON responses (4xx for bad
+input, 502/503/504 for upstream or store trouble), sent only at the ASGI edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class SidecarError(Exception):
+    """An error that maps onto one HTTP status with an OpenAI-style body."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class BadRequest(SidecarError):
+    pass
+
+
+class Unauthorized(SidecarError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(SidecarError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(SidecarError):
+    status = 405
+
+
+class Conflict(SidecarError):
+    status = 409
+    type = "conflict_error"
+
+
+class BodyTooLarge(SidecarError):
+    status = 413
+
+
+class NoUpstream(SidecarError):
+    """Every upstream refused the connection or answered 502/503/504 before any byte."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class Unavailable(SidecarError):
+    """Paused longer than the bounded wait, or the trace store could not record the call."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamTimeout(SidecarError):
+    status = 504
+    type = "upstream_timeout"
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    )
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: list[Any] | None = None) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or ()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, err: SidecarError) -> None:
+    await send_json(send, err.status, error_body(err.status, err.message, err.type, err.param))

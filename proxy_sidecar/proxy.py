@@ -1,0 +1,256 @@
+"""The hot path: OpenAI routes proxied to an upstream, every call recorded before it completes.
+
+In: a harness's chat/completions request (rollout id from the path or the default). Out: the
+upstream's response, byte for byte, whose final bytes leave only after the call record is
+committed; so any response a client fully received is in the store, even after `kill -9`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+
+from harnessrl.traces.schema import EndpointKind
+from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
+from proxy_sidecar.control import Receive, Scope, Send, SidecarState
+from proxy_sidecar.errors import BadRequest, BodyTooLarge, SidecarError, Unavailable, send_error
+from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
+
+# Never forwarded: connection-level headers, the length we recompute, and compression (the
+# sidecar must read the upstream body, so it asks for identity encoding).
+_HOP_REQUEST = frozenset(
+    b"host content-length connection keep-alive transfer-encoding te upgrade "
+    b"proxy-connection expect accept-encoding content-type".split()
+)
+_HOP_RESPONSE = frozenset(b"content-length connection keep-alive transfer-encoding".split())
+_POLICY_HEADER = b"x-harnessrl-policy-version"
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyTooLarge(f"request body over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise BadRequest("client went away before sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body over the {limit}-byte limit")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def rollout_of(scope: Scope, default: str) -> str:
+    rollout_id = scope.get("path_params", {}).get("rollout_id", default)
+    if len(rollout_id) > 256 or not rollout_id.isprintable():
+        raise BadRequest(f"rollout id must be printable and at most 256 chars, got {rollout_id!r}")
+    return rollout_id
+
+
+def rewrite(request: dict[str, Any], endpoint: EndpointKind, state: SidecarState) -> bytes:
+    """Ask for the server's token ids and sampled-token logprobs; apply the mode's overrides."""
+    request["return_token_ids"] = True
+    if endpoint is EndpointKind.CHAT:
+        request["logprobs"] = True
+    else:
+        lp = request.get("logprobs")
+        if isinstance(lp, bool) or not isinstance(lp, int) or lp < 1:
+            request["logprobs"] = 1
+    if state.config.model is not None:
+        request["model"] = state.config.model
+    overrides = state.config.overrides(state.mode)
+    if overrides:
+        request.update(overrides)
+    return orjson.dumps(request)
+
+
+def upstream_headers(scope: Scope) -> list[tuple[str, str]]:
+    out = [("content-type", "application/json")]
+    for name, value in scope["headers"]:
+        if name not in _HOP_REQUEST:
+            out.append((name.decode("latin-1"), value.decode("latin-1")))
+    return out
+
+
+def response_headers(resp: UpstreamResponse) -> tuple[list[tuple[bytes, bytes]], int | None]:
+    """Headers for the client, and the policy version the upstream reported (if any)."""
+    headers, version = [], None
+    for name, value in resp.headers:
+        low = name.lower()
+        if low in _HOP_RESPONSE:
+            continue
+        if low == _POLICY_HEADER and value.strip().isdigit():
+            version = int(value)
+        headers.append((low, value))
+    return headers, version
+
+
+class ProxyEndpoint:
+    """Pure-ASGI handler of one OpenAI route (chat or completions)."""
+
+    def __init__(self, state: SidecarState, endpoint: EndpointKind, path: str) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.time()
+        state = self.state
+        try:
+            raw = await read_body(scope, receive, state.config.max_body_bytes)
+            try:
+                request = orjson.loads(raw)
+            except orjson.JSONDecodeError as err:
+                raise BadRequest(f"request body is not valid JSON: {err}") from err
+            if not isinstance(request, dict):
+                raise BadRequest(
+                    f"request body must be a JSON object, got {type(request).__name__}"
+                )
+            rollout_id = rollout_of(scope, state.config.default_rollout)
+            await state.enter()
+        except SidecarError as err:
+            await send_error(send, err)
+            return
+        try:
+            await self._forward(scope, receive, send, request, rollout_id, started)
+        finally:
+            state.leave()
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request: dict[str, Any],
+        rollout_id: str,
+        started: float,
+    ) -> None:
+        state = self.state
+        body = rewrite(request, self.endpoint, state)
+        path = self.path + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
+        try:
+            upstream, resp = await state.pool.request(
+                rollout_id, "POST", path, upstream_headers(scope), body
+            )
+        except SidecarError as err:
+            state.metrics.upstream_errors.labels("connect").inc()
+            record = build_record(
+                endpoint=self.endpoint,
+                rollout_id=rollout_id,
+                started=started,
+                request=request,
+                status=err.status,
+                body=None,
+                upstream="",
+                policy_version=state.policy_version,
+                error=f"upstream: {err.message}",
+            )
+            await self._store(record, stream=False)
+            await send_error(send, err)
+            return
+        headers, version = response_headers(resp)
+        if version is None:
+            version = state.policy_version
+        common = dict(
+            endpoint=self.endpoint,
+            rollout_id=rollout_id,
+            started=started,
+            request=request,
+            upstream=upstream.url,
+            policy_version=version,
+        )
+        stream = any(n == b"content-type" and b"text/event-stream" in v for n, v in headers)
+        if stream:
+            await self._stream(receive, send, resp, headers, common)
+        else:
+            await self._buffered(send, resp, headers, common)
+
+    async def _store(self, record: Any, stream: bool) -> int | None:
+        """Commit the record; None if the store refused it (counted and logged)."""
+        state = self.state
+        t0 = time.perf_counter()
+        try:
+            seq = await state.recorder.record(record)
+        except Exception:
+            state.metrics.store_errors.inc()
+            state.metrics.observe(record, None, stream, state.config.log_calls)
+            return None
+        state.metrics.overhead.observe(time.perf_counter() - t0)
+        state.metrics.observe(record, seq, stream, state.config.log_calls)
+        return seq
+
+    async def _buffered(
+        self, send: Send, resp: UpstreamResponse, headers: list[Any], common: dict[str, Any]
+    ) -> None:
+        try:
+            raw = await resp.read()
+        except UpstreamFailure as err:
+            self.state.metrics.upstream_errors.labels("read").inc()
+            record = build_record(status=502, body=None, error=f"upstream: {err}", **common)
+            await self._store(record, stream=False)
+            await send_error(send, Unavailable(f"upstream failed while answering: {err}"))
+            return
+        record = build_record(status=resp.status, body=decode_body(raw), **common)
+        if await self._store(record, stream=False) is None:
+            await send_error(send, Unavailable("trace store could not record the call"))
+            return
+        headers.append((b"content-length", str(len(raw)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+    async def _stream(
+        self,
+        receive: Receive,
+        send: Send,
+        resp: UpstreamResponse,
+        headers: list[Any],
+        common: dict[str, Any],
+    ) -> None:
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            resp.abort()  # closes the upstream request: the server stops generating
+
+        watcher = asyncio.create_task(watch())
+        tee = SSETee(self.endpoint)
+        error: str | None = None
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        try:
+            async for chunk in resp.chunks():
+                out = tee.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except Exception as err:
+            if not gone.is_set() and not isinstance(err, UpstreamFailure):
+                raise
+            error = "client disconnected" if gone.is_set() else f"upstream: {err}"
+            if not gone.is_set():
+                self.state.metrics.upstream_errors.labels("stream").inc()
+        finally:
+            watcher.cancel()
+            await resp.close()
+        assembled = tee.assembler
+        if error is None and assembled.error is not None:
+            error = f"upstream stream error: {assembled.error}"
+        error = error or tee.capture_error
+        record = build_record(status=resp.status, body=assembled.body(), error=error, **common)
+        stored = await self._store(record, stream=True)
+        if gone.is_set():
+            return
+        tail = tee.finish()
+        if stored is None:
+            tail = sse_error_event("trace store could not record the call", 503)
+        elif error is not None and error.startswith("upstream:"):
+            tail += sse_error_event(f"upstream failed mid-stream: {error}")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -1,0 +1,194 @@
+"""Upstream model servers: sticky routing, ejection, and the one long-lived HTTP client.
+
+In: a rollout id and an encoded request. Out: an `UpstreamResponse` from the first upstream that
+answers. A rollout sticks to one server (rendezvous hash of its id) so its growing prompt hits that
+server's prefix cache; a server that fails is ejected for `eject_s` and tried again afterwards.
+Retries happen only here, i.e. before the first byte is sent to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import httpx
+
+from proxy_sidecar.errors import NoUpstream, UpstreamTimeout
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class UpstreamFailure(Exception):
+    """Transport failure talking to one upstream (connect, reset, timeout)."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+@dataclass
+class Upstream:
+    url: str
+    ejected_until: float = 0.0
+    failures: int = 0
+
+    def healthy(self, now: float) -> bool:
+        return self.ejected_until <= now
+
+
+class UpstreamResponse:
+    """Status, raw headers and body of one upstream response (either client library)."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], raw: Any) -> None:
+        self.status = status
+        self.headers = headers
+        self._raw = raw
+
+    async def read(self) -> bytes:
+        try:
+            if isinstance(self._raw, aiohttp.ClientResponse):
+                return await self._raw.read()
+            return await self._raw.aread()
+        except (TimeoutError, aiohttp.ClientError, httpx.TransportError) as err:
+            raise UpstreamFailure(f"reading body: {type(err).__name__}: {err}") from err
+        finally:
+            await self.close()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            if isinstance(self._raw, aiohttp.ClientResponse):
+                async for chunk in self._raw.content.iter_any():
+                    yield chunk
+            else:
+                async for chunk in self._raw.aiter_raw():
+                    yield chunk
+        except (TimeoutError, aiohttp.ClientError, httpx.TransportError) as err:
+            raise UpstreamFailure(f"mid-stream: {type(err).__name__}: {err}") from err
+
+    def abort(self) -> None:
+        """Drop the upstream connection now (the client went away)."""
+        if isinstance(self._raw, aiohttp.ClientResponse):
+            self._raw.close()
+        else:
+            self._closing = asyncio.ensure_future(self._raw.aclose())
+
+    async def close(self) -> None:
+        if isinstance(self._raw, aiohttp.ClientResponse):
+            self._raw.close()
+        else:
+            await self._raw.aclose()
+
+
+class UpstreamPool:
+    """The upstream servers of this sidecar and the client that talks to them."""
+
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        *,
+        client: str = "aiohttp",
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        retries: int = 2,
+        eject_s: float = 10.0,
+    ) -> None:
+        self.upstreams = [Upstream(u.rstrip("/").removesuffix("/v1")) for u in urls]
+        self.client_kind = client
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.retries = retries
+        self.eject_s = eject_s
+        self._client: Any = None
+
+    async def start(self) -> None:
+        if self.client_kind == "aiohttp":
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+        else:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=self.connect_timeout_s, read=self.read_timeout_s, write=60, pool=None
+                ),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+            )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            if isinstance(self._client, aiohttp.ClientSession):
+                await self._client.close()
+            else:
+                await self._client.aclose()
+            self._client = None
+
+    def candidates(self, rollout_id: str) -> list[Upstream]:
+        """Upstreams in the order this rollout tries them: healthy first, each by its hash."""
+        if len(self.upstreams) == 1:
+            return self.upstreams
+        key = rollout_id.encode()
+        ranked = sorted(self.upstreams, key=lambda u: zlib.crc32(u.url.encode(), zlib.crc32(key)))
+        ranked.reverse()
+        now = time.monotonic()
+        # Ejected ones stay as a last resort: better to try a doubtful server than to fail.
+        return [u for u in ranked if u.healthy(now)] + [u for u in ranked if not u.healthy(now)]
+
+    def eject(self, upstream: Upstream) -> None:
+        upstream.failures += 1
+        upstream.ejected_until = time.monotonic() + self.eject_s
+
+    async def request(
+        self,
+        rollout_id: str,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+    ) -> tuple[Upstream, UpstreamResponse]:
+        """Send to the rollout's upstream, falling over to others; nothing is sent to the client."""
+        last = ""
+        timed_out = False
+        tries = self.candidates(rollout_id)[: self.retries + 1]
+        for i, upstream in enumerate(tries):
+            try:
+                resp = await self._send(upstream.url + path, method, headers, body)
+            except UpstreamFailure as err:
+                self.eject(upstream)
+                last, timed_out = f"{upstream.url}: {err}", err.timeout
+                continue
+            if resp.status in RETRY_STATUSES and i < len(tries) - 1:
+                self.eject(upstream)
+                last = f"{upstream.url}: HTTP {resp.status}"
+                await resp.close()
+                continue
+            upstream.failures = 0
+            return upstream, resp
+        if timed_out:
+            raise UpstreamTimeout(f"upstream timed out ({last})")
+        raise NoUpstream(f"no upstream answered ({last})")
+
+    async def _send(
+        self, url: str, method: str, headers: list[tuple[str, str]], body: bytes | None
+    ) -> UpstreamResponse:
+        client = self._client
+        if client is None:
+            raise UpstreamFailure("client not started")
+        try:
+            if isinstance(client, aiohttp.ClientSession):
+                raw = await client.request(method, url, data=body, headers=headers)
+                return UpstreamResponse(raw.status, list(raw.raw_headers), raw)
+            req = client.build_request(method, url, content=body, headers=headers)
+            resp = await client.send(req, stream=True)
+            return UpstreamResponse(resp.status_code, list(resp.headers.raw), resp)
+        except (TimeoutError, aiohttp.ClientError, httpx.TransportError, OSError) as err:
+            timeout = isinstance(err, asyncio.TimeoutError | httpx.TimeoutException)
+            raise UpstreamFailure(f"{type(err).__name__}: {err}", timeout=timeout) from err

@@ -1,0 +1,62 @@
+"""Fixtures: a fake vLLM upstream and an in-process sidecar in front of it, both on real ports."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "fixtures" / "vllm"))
+
+from fake_vllm import FakeVLLM, ServerThread  # noqa: E402
+
+from harnessrl.traces.sqlite import SQLiteTraceStore  # noqa: E402
+from proxy_sidecar.app import build_app  # noqa: E402
+from proxy_sidecar.config import SidecarConfig  # noqa: E402
+
+
+class Sidecar:
+    def __init__(self, server: ServerThread, store: SQLiteTraceStore, app: Any) -> None:
+        self.server = server
+        self.url = server.url
+        self.store = store
+        self.state = app.state.sidecar
+
+    def base(self, rollout: str) -> str:
+        return f"{self.url}/rollouts/{rollout}/v1"
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeVLLM, ServerThread]]:
+    upstream = FakeVLLM()
+    with ServerThread(upstream.app) as server:
+        yield upstream, server
+
+
+@pytest.fixture
+def make_sidecar(tmp_path: pathlib.Path) -> Iterator[Callable[..., Sidecar]]:
+    servers: list[ServerThread] = []
+    stores: list[SQLiteTraceStore] = []
+
+    def make(upstreams: tuple[str, ...], **kw: Any) -> Sidecar:
+        store = SQLiteTraceStore(tmp_path / f"traces{len(stores)}.db")
+        config = SidecarConfig(upstreams=upstreams, store="sqlite:///unused", log_calls=False, **kw)
+        app = build_app(config, store=store)
+        server = ServerThread(app).__enter__()
+        servers.append(server)
+        stores.append(store)
+        return Sidecar(server, store, app)
+
+    yield make
+    for server in servers:
+        server.__exit__(None, None, None)
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def sidecar(fake: tuple[FakeVLLM, ServerThread], make_sidecar: Callable[..., Sidecar]) -> Sidecar:
+    return make_sidecar((fake[1].url,))
