@@ -1,0 +1,288 @@
+"""Serving stage, engine: prompts + sampling params → token events, with continuous batching.
+
+Sequences (one per choice) share a fixed set of KV-cache slots. Prompts are prefilled in chunks
+whose lengths come from a small bucket set; one decode step advances every active slot at once.
+Every device program has a static shape, so after `warm_up()` nothing compiles again
+(`compile_count` counts traces). The loop runs on its own thread; params swap between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from harnessrl.model.decoder import Decoder
+from harnessrl.serve.config import ServeConfig
+from harnessrl.serve.output import TokenEvent
+from harnessrl.serve.sampling import SamplingParams
+from harnessrl.serve.steps import DeviceSteps
+from harnessrl.serve.swap import ParamSwap
+
+log = logging.getLogger(__name__)
+Sink = Callable[[list[TokenEvent]], None]
+Cancel = Callable[..., None]
+
+
+class EngineBusy(Exception):
+    """The waiting queue is full; the edge answers 503."""
+
+
+@dataclass
+class _Request:
+    prompt: np.ndarray  # int32 [prompt_len]
+    params: SamplingParams
+    max_tokens: int
+    eos: frozenset[int]
+    sink: Sink
+    seqs: list[_Seq] = field(default_factory=list)
+    prompt_logits: jax.Array | None = None  # after the prompt: siblings start from it
+    source_slot: int = -1  # a live slot whose cache holds the prompt
+
+
+@dataclass
+class _Seq:
+    request: _Request
+    choice: int
+    key: np.ndarray  # uint32 [2], raw threefry key
+    slot: int = -1
+    prefilled: int = 0
+    generated: int = 0
+    last_token: int = 0
+    done: bool = False
+
+
+def _raw_key(seed: int) -> np.ndarray:
+    """The uint32 pair `jax.random.PRNGKey(seed)` holds, built on the host (no device op)."""
+    seed &= (1 << 64) - 1
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+
+
+class Engine:
+    """Continuous-batching decoder over `num_slots` KV-cache rows, run on a background thread."""
+
+    def __init__(self, model: Decoder, eos_token_ids: Any, config: ServeConfig) -> None:
+        self.config = config
+        self.model_config = model.cfg
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.steps = DeviceSteps(model, config)
+        self._swap = ParamSwap(self.steps, config.policy_version)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._slots: list[_Seq | None] = [None] * config.num_slots
+        self._cancelled: list[_Seq] = []
+        self._seeds = itertools.count(config.seed << 20)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._swap.version
+
+    @property
+    def compile_count(self) -> int:
+        return self.steps.compile_count
+
+    def warm_up(self) -> None:
+        """Compile every program once (all prefill buckets, decode, first-token, row copy)."""
+        self.steps.warm_up()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="harnessrl-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    def swap_params(self, params: Any, version: int, *, wait: bool = True) -> None:
+        """Install new weights between two decode steps; `params` is an `nnx.State` or a Decoder.
+
+        Leaves are checked against the serving tree (names, shapes) and placed like the current
+        ones, so a swap never recompiles. With `wait`, returns once the engine uses them.
+        """
+        applied = self._swap.stage(params, version)
+        with self._cond:
+            self._cond.notify_all()
+        if wait and self._thread is not None:
+            applied.wait()
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, sink: Sink
+    ) -> Cancel:
+        """Queue one request (`params.n` sequences); `sink` gets event lists from the engine thread.
+
+        Returns `cancel(choice=None)` (safe from any thread): ends that choice, or all of them.
+        """
+        if max_tokens < 1 or len(prompt_ids) + max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} does not fit "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        request = _Request(np.asarray(prompt_ids, np.int32), params, max_tokens, eos, sink)
+        base = params.seed if params.seed is not None else next(self._seeds)
+        request.seqs = [_Seq(request, i, _raw_key(base)) for i in range(params.n)]
+        with self._cond:
+            if (
+                len(self._waiting) + len(request.seqs)
+                > self.config.max_waiting + self.config.num_slots
+            ):
+                raise EngineBusy(f"{len(self._waiting)} sequences are waiting; retry later")
+            self._waiting.extend(request.seqs)
+            self._cond.notify_all()
+
+        def cancel(choice: int | None = None) -> None:
+            with self._cond:
+                self._cancelled.extend(s for s in request.seqs if choice in (None, s.choice))
+                self._cond.notify_all()
+
+        return cancel
+
+    def submit_async(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int
+    ) -> tuple[asyncio.Queue[list[TokenEvent]], Cancel]:
+        """`submit` bridged to the running asyncio loop: events arrive on the returned queue."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[TokenEvent]] = asyncio.Queue()
+        cancel = self.submit(
+            prompt_ids,
+            params,
+            max_tokens,
+            lambda evs: loop.call_soon_threadsafe(queue.put_nowait, evs),
+        )
+        return queue, cancel
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (
+                    self._stopping
+                    or self._waiting
+                    or self._busy()
+                    or self._swap.pending
+                    or self._cancelled
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                self._swap.apply_if_pending()
+                cancelled, self._cancelled = self._cancelled, []
+                for seq in cancelled:
+                    self._finish(seq, None)
+                self._admit()
+            try:
+                self._prefill_one()
+                self._decode_step()
+            except (
+                Exception
+            ) as err:  # a device fault must not strand callers: fail what is in flight
+                log.exception("engine step failed")
+                self._fail_all(err)
+        self._fail_all(RuntimeError("engine stopped"))
+
+    def _busy(self) -> bool:
+        return any(seq is not None for seq in self._slots)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            if self._waiting[0].done:
+                self._waiting.popleft()
+                continue
+            free = [i for i, seq in enumerate(self._slots) if seq is None]
+            if not free:
+                return
+            seq = self._waiting.popleft()
+            seq.slot = free[0]
+            self._slots[seq.slot] = seq
+
+    def _fail_all(self, err: Exception) -> None:
+        with self._cond:
+            seqs = [s for s in self._slots if s is not None] + list(self._waiting)
+            self._waiting.clear()
+        for seq in seqs:
+            self._finish(seq, None, reason="abort")
+
+    def _finish(self, seq: _Seq, event: TokenEvent | None, reason: str | None = None) -> None:
+        """Release a sequence's slot; with `reason`, tell its sink it ended without a token."""
+        if seq.done:
+            return
+        seq.done = True
+        if seq.slot >= 0 and self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None
+            if seq.request.source_slot == seq.slot:
+                seq.request.source_slot = -1
+        if reason is not None:
+            seq.request.sink([TokenEvent(seq.choice, -1, 0.0, (), reason, None, self.version)])
+
+    def _prefill_one(self) -> None:
+        """One prompt chunk of the oldest sequence still prefilling (or a copy from a sibling)."""
+        pending = [s for s in self._slots if s is not None and s.prefilled < len(s.request.prompt)]
+        if not pending:
+            return
+        seq = min(pending, key=lambda s: (s.request.prompt_logits is None, s.slot))
+        request = seq.request
+        if request.prompt_logits is not None and request.source_slot >= 0:
+            self.steps.copy_slot(request.source_slot, seq.slot)
+            seq.prefilled = len(request.prompt)
+        else:
+            seq.prefilled, logits = self.steps.prefill_chunk(
+                seq.slot, request.prompt, seq.prefilled
+            )
+            if seq.prefilled < len(request.prompt):
+                return
+            request.prompt_logits = logits
+        if request.source_slot < 0:
+            request.source_slot = seq.slot
+        sampled = self.steps.sample_first(
+            request.prompt_logits, request.params, seq.key, seq.choice
+        )
+        self._emit([(seq, *sampled)])
+
+    def _decode_step(self) -> None:
+        active = [s for s in self._slots if s is not None and s.generated > 0 and not s.done]
+        if not active:
+            return
+        out = self.steps.decode(active)
+        self._emit([(seq, *row) for seq, row in zip(active, out, strict=True)])
+
+    def _emit(self, rows: list[tuple[_Seq, int, float, Any, Any]]) -> None:
+        by_request: dict[int, list[TokenEvent]] = {}
+        sinks: dict[int, Sink] = {}
+        for seq, token, logprob, top_ids, top_lps in rows:
+            request, params = seq.request, seq.request.params
+            seq.generated += 1
+            seq.last_token = token
+            reason, stop = None, None
+            if token in request.eos:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason, stop = "stop", token
+            elif seq.generated >= request.max_tokens:
+                reason = "length"
+            k = params.logprobs or 0
+            top = tuple(zip(top_ids[:k].tolist(), top_lps[:k].tolist(), strict=True)) if k else ()
+            event = TokenEvent(seq.choice, token, float(logprob), top, reason, stop, self.version)
+            by_request.setdefault(id(request), []).append(event)
+            sinks[id(request)] = request.sink
+            if reason is not None:
+                self._finish(seq, None)
+        for key, events in by_request.items():
+            sinks[key](events)

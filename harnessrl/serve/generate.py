@@ -1,0 +1,271 @@
+"""Serving stage, generation endpoints: pure-ASGI `/v1/chat/completions` and `/v1/completions`.
+
+In: the HTTP request. Out: one JSON body, or server-sent events (prompt ids in the first chunk,
+then one chunk per sampled token with its id delta), headed by the policy version that sampled the
+first token (`x-harnessrl-policy-version`). A client that goes away cancels its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from harnessrl.serve.decode import Cancel, Engine, EngineBusy
+from harnessrl.serve.output import (
+    ChoiceState,
+    TokenEvent,
+    TokenText,
+    chat_body,
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    usage,
+)
+from harnessrl.serve.protocol import GenerationJob, RequestError, Tokenizer, parse_job
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+VERSION_HEADER = b"x-harnessrl-policy-version"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the endpoints share; built once by `build_app` and kept on `app.state`."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    names: TokenText
+    served: str
+    max_model_len: int
+    vocab_size: int
+
+
+async def read_json(receive: Receive) -> Any:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionError("client disconnected before the body was read")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as err:
+        raise RequestError(f"the request body is not valid JSON: {err}") from err
+
+
+async def send_json(send: Send, status: int, body: Any, version: int) -> None:
+    payload = orjson.dumps(body)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (VERSION_HEADER, str(version).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class GenerationEndpoint:
+    """One of the two generation routes, as a pure ASGI app (streaming needs no buffering)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        backend: Backend = scope["app"].state.backend
+        try:
+            body = await read_json(receive)
+            job = parse_job(
+                body,
+                chat=self.chat,
+                tokenizer=backend.tokenizer,
+                served=backend.served,
+                max_model_len=backend.max_model_len,
+                vocab_size=backend.vocab_size,
+            )
+            queue, cancel = backend.engine.submit_async(job.prompt_ids, job.params, job.max_tokens)
+        except RequestError as err:
+            return await send_json(send, err.status, err.body(), backend.engine.version)
+        except EngineBusy as err:
+            error = RequestError(str(err), status=503)
+            return await send_json(send, 503, error.body(), backend.engine.version)
+        except ConnectionError:
+            return None
+        watcher = asyncio.create_task(_watch_disconnect(receive, cancel, queue))
+        try:
+            run = _Run(job, backend, self.chat, queue, cancel)
+            await (run.stream(send) if job.stream else run.respond(send))
+        finally:
+            watcher.cancel()
+            cancel()  # no-op for finished sequences; frees slots if we stopped early
+
+
+async def _watch_disconnect(receive: Receive, cancel: Cancel, queue: asyncio.Queue[Any]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel()
+    queue.put_nowait(None)
+
+
+class _Run:
+    """The choices of one request while their events arrive."""
+
+    def __init__(
+        self,
+        job: GenerationJob,
+        backend: Backend,
+        chat: bool,
+        queue: asyncio.Queue[Any],
+        cancel: Cancel,
+    ) -> None:
+        self.job, self.backend, self.chat = job, backend, chat
+        self.queue, self.cancel = queue, cancel
+        self.choices = [ChoiceState(i, job, backend.tokenizer) for i in range(job.params.n)]
+        self.offsets = [len(job.echo_text or "")] * job.params.n
+        self.head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": backend.served,
+        }
+        self.version: int | None = None
+
+    async def events(self) -> list[TokenEvent] | None:
+        """The next batch of events; None once every choice has finished or the client left."""
+        if all(c.finished for c in self.choices):
+            return None
+        events = await self.queue.get()
+        if events is None:
+            return None
+        if self.version is None:
+            self.version = events[0].version
+        return events
+
+    def accept(self, event: TokenEvent) -> bool:
+        choice = self.choices[event.choice]
+        if not choice.add(event):
+            return False
+        if choice.finished and event.finish_reason is None:
+            self.cancel(event.choice)  # a stop string ended it: free the slot now
+        return True
+
+    async def respond(self, send: Send) -> None:
+        while (events := await self.events()) is not None:
+            for event in events:
+                self.accept(event)
+        if not all(c.finished for c in self.choices):
+            return  # the client left
+        build = chat_body if self.chat else completion_body
+        body = build(self.job, self.choices, self.backend.names, self.head)
+        await send_json(
+            send,
+            200,
+            body,
+            self.version if self.version is not None else self.backend.engine.version,
+        )
+
+    async def stream(self, send: Send) -> None:
+        events = await self.events()
+        version = self.version if self.version is not None else self.backend.engine.version
+        headers = [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+            (VERSION_HEADER, str(version).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self.chat:
+            for i, _ in enumerate(self.choices):
+                await self._send_chunk(send, self._chat_first(i))
+        while events is not None:
+            for event in events:
+                start = len(self.choices[event.choice].token_ids)
+                if self.accept(event):
+                    await self._send_chunk(send, self._chunk(event.choice, start))
+            events = await self.events()
+        if not all(c.finished for c in self.choices):
+            return
+        if self.job.include_usage:
+            await self._send_chunk(
+                send,
+                {
+                    **self.head,
+                    "object": self._object(),
+                    "choices": [],
+                    "usage": usage(self.job, self.choices),
+                },
+            )
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    async def _send_chunk(self, send: Send, chunk: dict[str, Any]) -> None:
+        await send(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
+                "more_body": True,
+            }
+        )
+
+    def _chat_first(self, index: int) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            **self.head,
+            "object": self._object(),
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+        if self.job.return_token_ids and index == 0:
+            chunk["prompt_token_ids"] = list(self.job.prompt_ids)
+        return chunk
+
+    def _chunk(self, index: int, start: int) -> dict[str, Any]:
+        choice = self.choices[index]
+        ids = choice.token_ids[start:]
+        text = choice.stream_text()
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            reason = choice.public_finish_reason()
+            if choice.finished and reason == "tool_calls":
+                calls = choice.tool_calls()[1]
+                delta = {
+                    "content": text,
+                    "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)],
+                }
+            entry: dict[str, Any] = {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(choice, self.backend.names, start),
+                "finish_reason": reason,
+            }
+        else:
+            entry = {
+                "index": index,
+                "text": text,
+                "logprobs": completion_logprobs(
+                    choice, self.backend.names, start, self.offsets[index]
+                ),
+                "finish_reason": choice.finish_reason,
+                "prompt_token_ids": list(self.job.prompt_ids)
+                if self.job.return_token_ids and start == 0
+                else None,
+            }
+            self.offsets[index] += sum(len(self.backend.names.text(t)) for t in ids)
+        if choice.finished:
+            entry["stop_reason"] = choice.stop_reason
+        if self.job.return_token_ids:
+            entry["token_ids"] = ids
+        return {**self.head, "object": self._object(), "choices": [entry]}

@@ -1,0 +1,196 @@
+"""Serving stage, requests: OpenAI/vLLM JSON bodies → `GenerationJob`; errors in vLLM's shape.
+
+Chat bodies are rendered with the model's chat template (with `tools`); completion prompts may be
+text or token ids. Length limits are checked here so the engine only sees requests that fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from harnessrl.serve.sampling import SamplingParams, parse_sampling
+from harnessrl.serve.tools import validate_tools
+
+
+class Tokenizer(Protocol):
+    """The part of `harnessrl.model.tokenizer.ChatTokenizer` the server uses."""
+
+    eos_token_ids: Any
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: Any = ..., add_generation_prompt: bool = ...
+    ) -> list[int]: ...
+
+
+class RequestError(Exception):
+    """A client error, rendered as vLLM's `{"error": {...}}` body with this status."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind.get(self.status, "InternalServerError"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One validated request, ready for the engine and the response builder."""
+
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    tools: list[dict[str, Any]] | None
+    echo_text: str | None  # completions `echo`: the prompt text to prepend
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    name = body.get("model")
+    if name is not None and name != served:
+        raise RequestError(
+            f"The model `{name}` does not exist. Valid aliases: {served}.",
+            status=404,
+            param="model",
+        )
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages must be a non-empty list of messages", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(
+                f"messages[{i}] must be an object with a string role", param="messages"
+            )
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text reaches a text-only model
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            if any(p.get("type") != "text" for p in content if isinstance(p, dict)) or not all(
+                isinstance(t, str) for t in texts
+            ):
+                raise RequestError(
+                    f"messages[{i}].content: only text parts are supported", param="messages"
+                )
+            message = {**message, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise RequestError(
+                f"messages[{i}].content must be a string or a list of text parts", param="messages"
+            )
+        out.append(message)
+    return out
+
+
+def _prompt_ids(value: Any, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise RequestError("prompt must not be empty", param="prompt")
+        return list(tokenizer.encode(value)), value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        bad = [t for t in value if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", param="prompt"
+            )
+        return list(value), None
+    raise RequestError(
+        "prompt must be a string, a list of token ids, or a one-element list of either "
+        "(batched prompts are not supported)",
+        param="prompt",
+    )
+
+
+def _check_length(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
+    """The request's max_tokens after the limits; RequestError in vLLM's words if it cannot fit."""
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"contains at least {prompt_len} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={prompt_len})",
+            param="input_tokens",
+        )
+    room = max_model_len - prompt_len
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise RequestError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This "
+            f"model's maximum context length is {max_model_len} tokens and your request has "
+            f"{prompt_len} input tokens ({params.max_tokens} > {max_model_len} - {prompt_len}). "
+            f"(parameter=max_tokens, value={params.max_tokens})",
+            param="max_tokens",
+        )
+    return params.max_tokens
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    stream, ids = body.get("stream", False), body.get("return_token_ids", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(ids, bool) or not isinstance(options, dict):
+        raise RequestError("stream and return_token_ids must be booleans, stream_options an object")
+    return stream, bool(options.get("include_usage", False)), ids
+
+
+def parse_job(
+    body: Any, *, chat: bool, tokenizer: Tokenizer, served: str, max_model_len: int, vocab_size: int
+) -> GenerationJob:
+    """A decoded JSON body → `GenerationJob`, or RequestError (400/404) saying what to fix."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    check_model(body, served)
+    try:
+        params = parse_sampling(body, chat=chat)
+        tools = validate_tools(body.get("tools"), body.get("tool_choice")) if chat else None
+    except ValueError as err:
+        raise RequestError(str(err)) from err
+    stream, include_usage, return_ids = _stream_flags(body)
+    echo_text = None
+    if chat:
+        add_prompt = body.get("add_generation_prompt", True)
+        prompt_ids = list(
+            tokenizer.apply_chat_template(
+                _messages(body.get("messages")), tools=tools, add_generation_prompt=bool(add_prompt)
+            )
+        )
+    else:
+        prompt_ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab_size)
+        if body.get("echo"):
+            echo_text = text if text is not None else tokenizer.decode(prompt_ids)
+    max_tokens = _check_length(len(prompt_ids), params, max_model_len)
+    return GenerationJob(
+        chat=chat,
+        prompt_ids=prompt_ids,
+        params=params,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=return_ids,
+        tools=tools,
+        echo_text=echo_text,
+    )

@@ -1,0 +1,189 @@
+"""Serving stage, device programs: the jitted prefill-chunk, decode, first-token and slot-copy steps.
+
+In: host-side slot assignments (token ids, positions, sampling settings). Out: sampled tokens and
+their raw logprobs. Holds the params and the KV cache; every program has a fixed shape, and
+`compile_count` counts traces so tests can assert that serving never recompiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.serve.config import ServeConfig
+from harnessrl.serve.sampling import SamplingParams, sample_tokens
+
+SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
+
+
+class DeviceSteps:
+    """The serving model's params + KV cache and the four compiled programs that touch them."""
+
+    def __init__(self, model: Decoder, config: ServeConfig) -> None:
+        cfg = model.cfg
+        self.config = config
+        self.vocab_size = cfg.vocab_size
+        # Params are swappable; the rest (RoPE tables) is fixed for the life of the engine.
+        self.graphdef, self.state, rest = nnx.split(model, nnx.Param, ...)
+        self._rest = jax.tree.map(jnp.asarray, rest)
+        shape = (
+            cfg.num_layers,
+            config.num_slots,
+            config.max_model_len,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        # Two separate buffers: the cache is donated, and one buffer may not be donated twice.
+        self.cache = KVCache(
+            k_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
+            v_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
+        )
+        self.compile_count = 0
+        self._decode = jax.jit(self._counted(self._decode_fn), donate_argnums=(1,))
+        self._prefill = jax.jit(self._counted(self._prefill_fn), donate_argnums=(1,))
+        self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
+        self._first = jax.jit(self._counted(self._first_fn))
+
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def traced(*args: Any) -> Any:
+            self.compile_count += 1  # runs only while jax traces, i.e. once per compiled program
+            return fn(*args)
+
+        return traced
+
+    # ---- traced functions -------------------------------------------------------------------
+
+    def _decode_fn(
+        self,
+        state: nnx.State,
+        cache: KVCache,
+        tokens_s: jax.Array,
+        positions_s: jax.Array,
+        sampling: tuple[jax.Array, ...],
+    ) -> tuple[Any, ...]:
+        model = nnx.merge(self.graphdef, state, self._rest)
+        logits_s1v, cache = model.decode(tokens_s[:, None], positions_s[:, None], cache)
+        return (cache, *sample_tokens(logits_s1v[:, 0], *sampling))
+
+    def _prefill_fn(
+        self,
+        state: nnx.State,
+        cache: KVCache,
+        slot: jax.Array,
+        tokens_c: jax.Array,
+        positions_c: jax.Array,
+        last: jax.Array,
+    ) -> tuple[KVCache, jax.Array]:
+        # Only this slot's cache row takes part, so a chunk costs its own tokens, not slots × tokens.
+        model = nnx.merge(self.graphdef, state, self._rest)
+        row = KVCache(
+            k_lbske=jax.lax.dynamic_slice_in_dim(cache.k_lbske, slot, 1, axis=1),
+            v_lbske=jax.lax.dynamic_slice_in_dim(cache.v_lbske, slot, 1, axis=1),
+        )
+        logits_1cv, row = model.decode(tokens_c[None], positions_c[None], row)
+        cache = KVCache(
+            k_lbske=jax.lax.dynamic_update_slice_in_dim(cache.k_lbske, row.k_lbske, slot, axis=1),
+            v_lbske=jax.lax.dynamic_update_slice_in_dim(cache.v_lbske, row.v_lbske, slot, axis=1),
+        )
+        return cache, logits_1cv[0, last]
+
+    def _copy_fn(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        def copy(x_lbske: jax.Array) -> jax.Array:
+            row = jax.lax.dynamic_slice_in_dim(x_lbske, src, 1, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(x_lbske, row, dst, axis=1)
+
+        return KVCache(k_lbske=copy(cache.k_lbske), v_lbske=copy(cache.v_lbske))
+
+    def _first_fn(
+        self, logits_v: jax.Array, sampling: tuple[jax.Array, ...]
+    ) -> tuple[jax.Array, ...]:
+        return sample_tokens(logits_v[None], *sampling)
+
+    # ---- host-side calls --------------------------------------------------------------------
+
+    @staticmethod
+    def _sampling(
+        rows: Sequence[tuple[SamplingParams, np.ndarray, int, int]], size: int
+    ) -> tuple[np.ndarray, ...]:
+        """Per-row sampler inputs; rows beyond `rows` are idle (greedy, ignored)."""
+        temp, top_p = np.zeros(size, np.float32), np.ones(size, np.float32)
+        top_k, min_p = np.zeros(size, np.int32), np.zeros(size, np.float32)
+        keys, salts, steps = (
+            np.zeros((size, 2), np.uint32),
+            np.zeros(size, np.int32),
+            np.zeros(size, np.int32),
+        )
+        for i, (params, key, salt, step) in enumerate(rows):
+            temp[i], top_p[i], top_k[i], min_p[i] = (
+                params.temperature,
+                params.top_p,
+                params.top_k,
+                params.min_p,
+            )
+            keys[i], salts[i], steps[i] = key, salt, step
+        return temp, top_p, top_k, min_p, keys, salts, steps
+
+    def decode(self, seqs: Sequence[Any]) -> list[SampleOut]:
+        """One token for each given sequence (objects with slot, last_token, request, generated...)."""
+        n = self.config.num_slots
+        tokens, positions = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+        rows: list[tuple[SamplingParams, np.ndarray, int, int]] = [
+            (SamplingParams(temperature=0.0), np.zeros(2, np.uint32), 0, 0)
+        ] * n
+        for seq in seqs:
+            tokens[seq.slot] = seq.last_token
+            positions[seq.slot] = len(seq.request.prompt) + seq.generated - 1
+            rows[seq.slot] = (seq.request.params, seq.key, seq.choice, seq.generated)
+        self.cache, token_s, lp_s, ids_sk, lps_sk = self._decode(
+            self.state, self.cache, tokens, positions, self._sampling(rows, n)
+        )
+        token_s, lp_s, ids_sk, lps_sk = (np.asarray(x) for x in (token_s, lp_s, ids_sk, lps_sk))
+        return [
+            (int(token_s[s.slot]), float(lp_s[s.slot]), ids_sk[s.slot], lps_sk[s.slot])
+            for s in seqs
+        ]
+
+    def bucket(self, remaining: int) -> int:
+        buckets = self.config.prefill_buckets
+        return next((b for b in buckets if b >= remaining), buckets[-1])
+
+    def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int) -> tuple[int, jax.Array]:
+        """Write the next chunk of `prompt` (from `start`) into `slot`; → (new start, last logits)."""
+        size = self.bucket(len(prompt) - start)
+        real = min(size, len(prompt) - start)
+        tokens = np.zeros(size, np.int32)
+        tokens[:real] = prompt[start : start + real]
+        positions = np.full(size, -1, np.int32)
+        positions[:real] = np.arange(start, start + real, dtype=np.int32)
+        self.cache, logits_v = self._prefill(
+            self.state, self.cache, np.int32(slot), tokens, positions, np.int32(real - 1)
+        )
+        return start + real, logits_v
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.cache = self._copy(self.cache, np.int32(src), np.int32(dst))
+
+    def sample_first(
+        self, logits_v: jax.Array, params: SamplingParams, key: np.ndarray, salt: int
+    ) -> SampleOut:
+        out = self._first(logits_v, self._sampling([(params, key, salt, 0)], 1))
+        token, lp, ids, lps = (np.asarray(x)[0] for x in out)
+        return int(token), float(lp), ids, lps
+
+    def warm_up(self) -> None:
+        """Run each program once so the first requests do not pay for compilation."""
+        logits_v = None
+        for size in self.config.prefill_buckets:
+            prompt = np.zeros(size, np.int32)
+            _, logits_v = self.prefill_chunk(0, prompt, 0)
+        assert logits_v is not None
+        self.sample_first(logits_v, SamplingParams(), np.zeros(2, np.uint32), 0)
+        self.copy_slot(0, 0)
+        self.decode([])
+        jax.block_until_ready(self.cache)
