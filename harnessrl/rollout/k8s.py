@@ -1,0 +1,493 @@
+"""Kubernetes launcher: one batch/v1 Job per harness run, with the capture sidecar beside it.
+
+In: `RunSpec`s. Out: `RunResult`s read from the Job's conditions and its pod (exit code, log);
+failure, eviction and deadline become FAILED / TIMED_OUT, so such runs are never trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import re
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from harnessrl.rollout.tasks import RunResult, RunSpec, Task, load_tasks
+from harnessrl.traces.schema import RolloutState
+from proxy_sidecar.webhook import ROLLOUT_ANNOTATION, SidecarSpec, sidecar_container
+
+TASK_ANNOTATION = "harnessrl.io/task"
+BATCH_LABEL = "harnessrl.io/batch"
+TASK_DIR = "/var/run/harnessrl"
+HARNESS_CONTAINER = "harness"
+_RETRYABLE = {429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class KubernetesLauncherConfig:
+    """How harness Jobs look and how fast they are created."""
+
+    image: str  # the harness image (unchanged harness)
+    command: tuple[str, ...]  # its command line; `{task_file}` and `{rollout_id}` expand
+    namespace: str = "harnessrl"
+    sidecar: SidecarSpec = field(default_factory=SidecarSpec)
+    concurrency: int = 64  # Jobs alive at once
+    creates_per_s: float = 10.0  # creation rate limit, to spare the API server and the scheduler
+    ttl_s: int = 600  # ttlSecondsAfterFinished: the cluster's own cleanup if ours never runs
+    deadline_grace_s: float = 120.0  # after activeDeadlineSeconds, when we stop waiting ourselves
+    keep_jobs: bool = False  # leave finished Jobs for inspection (the TTL still removes them)
+    service_account: str = "harnessrl-harness"
+    cpu: str = "1"
+    memory: str = "2Gi"
+    watch_timeout_s: int = 30
+    max_log_bytes: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise ValueError(f"KubernetesLauncherConfig.image must be set, got {self.image!r}")
+        if not self.command or not all(isinstance(c, str) for c in self.command):
+            raise ValueError(
+                "KubernetesLauncherConfig.command must be a non-empty list of strings, "
+                f"got {self.command!r}"
+            )
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
+            raise ValueError(
+                f"KubernetesLauncherConfig.namespace is not a DNS label: {self.namespace!r}"
+            )
+        for name in ("concurrency", "ttl_s", "watch_timeout_s", "max_log_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(
+                    f"KubernetesLauncherConfig.{name} must be an int >= 1, got {getattr(self, name)!r}"
+                )
+        if not self.creates_per_s > 0:
+            raise ValueError(
+                f"KubernetesLauncherConfig.creates_per_s must be > 0, got {self.creates_per_s!r}"
+            )
+
+
+def label_value(text: str) -> str:
+    """A string squeezed into a valid label value (<= 63 chars, alnum at both ends)."""
+    v = re.sub(r"[^A-Za-z0-9._-]", "-", text)[:63].strip("-_.")
+    return v or "x"
+
+
+def job_name(rollout_id: str) -> str:
+    """DNS-1123 name, unique per rollout id (the hash keeps sanitized look-alikes apart)."""
+    slug = re.sub(r"[^a-z0-9-]", "-", rollout_id.lower()).strip("-")[:40].strip("-")
+    digest = hashlib.sha1(rollout_id.encode()).hexdigest()[:8]
+    return f"hrl-{slug}-{digest}" if slug else f"hrl-{digest}"
+
+
+def job_manifest(
+    spec: RunSpec, cfg: KubernetesLauncherConfig, batch: str = "dry-run"
+) -> dict[str, Any]:
+    """The Job for one run: harness container + native sidecar, task mounted from an annotation."""
+    task_file = f"{TASK_DIR}/task.json"
+    labels = {
+        "app.kubernetes.io/name": "harnessrl-harness",
+        "app.kubernetes.io/managed-by": "harnessrl",
+        "harnessrl.io/rollout": label_value(spec.rollout_id),
+        "harnessrl.io/task": label_value(spec.task.task_id),
+        "harnessrl.io/group": label_value(spec.group_id),
+        BATCH_LABEL: label_value(batch),
+    }
+    annotations = {
+        ROLLOUT_ANNOTATION: spec.rollout_id,
+        "harnessrl.io/task-id": spec.task.task_id,
+        "harnessrl.io/group-id": spec.group_id,
+        "harnessrl.io/attempt": str(spec.attempt),
+    }
+    argv = [
+        c.replace("{task_file}", task_file).replace("{rollout_id}", spec.rollout_id)
+        for c in cfg.command
+    ]
+    port = cfg.sidecar.port
+    harness = {
+        "name": HARNESS_CONTAINER,
+        "image": cfg.image,
+        "command": argv,
+        "env": [
+            {
+                "name": "OPENAI_BASE_URL",
+                "value": f"http://127.0.0.1:{port}/rollouts/{spec.rollout_id}/v1",
+            },
+            {"name": "OPENAI_API_KEY", "value": cfg.sidecar.api_key},
+            {"name": "HARNESSRL_ROLLOUT_ID", "value": spec.rollout_id},
+            {"name": "HARNESSRL_TASK_FILE", "value": task_file},
+            {"name": "HARNESSRL_TASK_PROMPT", "value": spec.task.prompt},
+        ],
+        "volumeMounts": [{"name": "task", "mountPath": TASK_DIR, "readOnly": True}],
+        "resources": {
+            "requests": {"cpu": cfg.cpu, "memory": cfg.memory},
+            "limits": {"memory": cfg.memory},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        "serviceAccountName": cfg.service_account,
+        "automountServiceAccountToken": False,  # the harness never talks to the API server
+        "initContainers": [sidecar_container(cfg.sidecar)],
+        "containers": [harness],
+        "volumes": [
+            {
+                "name": "task",
+                # The task travels in the pod's own annotation: no ConfigMap per run to clean up.
+                "downwardAPI": {
+                    "items": [
+                        {
+                            "path": "task.json",
+                            "fieldRef": {"fieldPath": f"metadata.annotations['{TASK_ANNOTATION}']"},
+                        }
+                    ]
+                },
+            }
+        ],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(spec.rollout_id),
+            "namespace": cfg.namespace,
+            "labels": labels,
+            "annotations": annotations,
+        },
+        "spec": {
+            "backoffLimit": 0,  # a failed run is a data point (FAILED), never silently retried
+            "activeDeadlineSeconds": max(1, math.ceil(spec.timeout_s)),
+            "ttlSecondsAfterFinished": cfg.ttl_s,
+            "template": {
+                "metadata": {
+                    "labels": dict(labels),  # a copy: YAML output without anchors
+                    "annotations": {
+                        **annotations,
+                        TASK_ANNOTATION: json.dumps(spec.task.to_json()),
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def job_yaml(spec: RunSpec, cfg: KubernetesLauncherConfig) -> str:
+    return yaml.safe_dump(job_manifest(spec, cfg), sort_keys=False)
+
+
+def job_outcome(job: dict[str, Any]) -> tuple[RolloutState, str] | None:
+    """Terminal state of a Job from its conditions; None while it still runs."""
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") == "Complete":
+            return RolloutState.SUCCEEDED, ""
+        if cond.get("type") == "Failed":
+            reason = cond.get("reason") or "Failed"
+            note = f"job failed: {reason}: {cond.get('message') or ''}".rstrip(": ")
+            if reason == "DeadlineExceeded":
+                return RolloutState.TIMED_OUT, note
+            return RolloutState.FAILED, note
+    return None
+
+
+def pod_outcome(pod: dict[str, Any]) -> tuple[int | None, str]:
+    """Exit code of the harness container and a note on eviction or OOM, from a pod's status."""
+    status = pod.get("status") or {}
+    notes = []
+    if status.get("reason") == "Evicted":
+        notes.append(f"pod evicted: {status.get('message') or ''}".rstrip(": "))
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            notes.append(
+                f"pod disrupted: {cond.get('reason')}: {cond.get('message') or ''}".rstrip(": ")
+            )
+    exit_code = None
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if cs.get("name") == HARNESS_CONTAINER and term:
+            exit_code = term.get("exitCode")
+            if term.get("reason") not in (None, "Completed", "Error"):
+                notes.append(f"harness container {term['reason']}")
+            if term.get("message") and exit_code:
+                notes.append(f"termination message: {term['message'].strip()[-2000:]}")
+    return exit_code, "\n".join(notes)
+
+
+@dataclass
+class _Live:
+    spec: RunSpec
+    started: float  # monotonic
+
+
+class KubernetesLauncher:
+    """Runs each spec as a Job; at most `concurrency` Jobs alive, created at most `creates_per_s`."""
+
+    def __init__(self, config: KubernetesLauncherConfig, api_client: Any = None) -> None:
+        from kubernetes import client
+
+        self.config = config
+        self._api = api_client if api_client is not None else _default_api_client()
+        self._batch = client.BatchV1Api(self._api)
+        self._core = client.CoreV1Api(self._api)
+        self._next_create = 0.0
+
+    def run(self, specs: list[RunSpec]) -> list[RunResult]:
+        if not specs:
+            return []
+        batch = uuid.uuid4().hex[:12]  # one label value per call: the watch sees only our Jobs
+        pending, live = deque(specs), dict[str, _Live]()
+        results: dict[str, RunResult] = {}
+        try:
+            while pending or live:
+                while pending and len(live) < self.config.concurrency:
+                    spec = pending.popleft()
+                    started = time.monotonic()
+                    err = self._create(spec, batch)
+                    if err is None:
+                        live[job_name(spec.rollout_id)] = _Live(spec, started)
+                    else:
+                        results[spec.rollout_id] = _result(
+                            spec, RolloutState.FAILED, started, stderr=err
+                        )
+                if live:
+                    self._wait(live, results, batch)
+        finally:
+            for name in live:  # interrupted (Ctrl-C, a bug): leave nothing running behind us
+                self._delete(name)
+        return [results[s.rollout_id] for s in specs]
+
+    def _create(self, spec: RunSpec, batch: str) -> str | None:
+        from kubernetes.client.exceptions import ApiException
+
+        body = job_manifest(spec, self.config, batch)
+        for attempt in range(4):
+            now = time.monotonic()
+            time.sleep(max(0.0, self._next_create - now))
+            self._next_create = max(now, self._next_create) + 1.0 / self.config.creates_per_s
+            try:
+                self._batch.create_namespaced_job(self.config.namespace, body, _request_timeout=30)
+                return None
+            except ApiException as err:
+                why = f"could not create Job {body['metadata']['name']}: {err.status} {err.reason}: {_message(err)}"
+                if err.status not in _RETRYABLE:
+                    return why
+            except OSError as err:  # urllib3's connection errors are OSErrors too
+                why = f"could not reach the API server to create a Job: {err}"
+            time.sleep(0.2 * 2**attempt)
+        return why
+
+    def _wait(self, live: dict[str, _Live], results: dict[str, RunResult], batch: str) -> None:
+        """Settle what already finished; otherwise watch until one Job ends or a deadline nears."""
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        selector = f"{BATCH_LABEL}={batch}"
+        try:
+            resp = self._batch.list_namespaced_job(
+                self.config.namespace,
+                label_selector=selector,
+                _preload_content=False,
+                _request_timeout=30,
+            )
+            listing = json.loads(resp.data)
+            jobs = {j["metadata"]["name"]: j for j in listing.get("items") or []}
+            settled = 0
+            for name in list(live):
+                job = jobs.get(name)
+                outcome = (
+                    job_outcome(job)
+                    if job
+                    else (RolloutState.FAILED, "job was deleted before it finished")
+                )
+                if outcome:
+                    self._finish(name, live, results, outcome)
+                    settled += 1
+            self._expire(live, results)
+            if settled or not live:
+                return
+            timeout = max(1, min(self.config.watch_timeout_s, math.ceil(self._next_deadline(live))))
+            w = watch.Watch()
+            for event in w.stream(
+                self._batch.list_namespaced_job, self.config.namespace, label_selector=selector,
+                resource_version=listing["metadata"]["resourceVersion"], timeout_seconds=timeout,
+                deserialize=False, _request_timeout=timeout + 30,
+            ):  # fmt: skip
+                name = event["object"].get("metadata", {}).get("name")
+                if name in live and (event["type"] == "DELETED" or job_outcome(event["object"])):
+                    w.stop()
+                    break
+        except ApiException as err:  # 410 Gone and friends: re-list on the next round
+            if err.status != 410:
+                time.sleep(1.0)
+        except (OSError, ValueError, KeyError):  # connection trouble or a garbled answer
+            time.sleep(1.0)
+        self._expire(live, results)
+
+    def _next_deadline(self, live: dict[str, _Live]) -> float:
+        now = time.monotonic()
+        return min(
+            lv.started + lv.spec.timeout_s + self.config.deadline_grace_s - now
+            for lv in live.values()
+        )
+
+    def _expire(self, live: dict[str, _Live], results: dict[str, RunResult]) -> None:
+        """Our own deadline, for Jobs the cluster never reports on (API trouble, stuck controller)."""
+        now = time.monotonic()
+        for name, lv in list(live.items()):
+            if now > lv.started + lv.spec.timeout_s + self.config.deadline_grace_s:
+                note = (
+                    f"no terminal Job status within {lv.spec.timeout_s:g}s + "
+                    f"{self.config.deadline_grace_s:g}s grace; Job deleted"
+                )
+                self._finish(name, live, results, (RolloutState.TIMED_OUT, note))
+
+    def _finish(
+        self,
+        name: str,
+        live: dict[str, _Live],
+        results: dict[str, RunResult],
+        outcome: tuple[RolloutState, str],
+    ) -> None:
+        lv = live.pop(name)
+        exit_code, log, pod_note = self._collect(name)
+        state, note = outcome
+        stderr = "\n".join(f"[harnessrl] {n}" for n in (note, pod_note) if n)
+        results[lv.spec.rollout_id] = _result(lv.spec, state, lv.started, exit_code, log, stderr)
+        if not self.config.keep_jobs or state is RolloutState.TIMED_OUT:
+            self._delete(name)
+
+    def _collect(self, name: str) -> tuple[int | None, str, str]:
+        """Exit code, log and notes of the Job's pod (one pod: backoffLimit is 0)."""
+        from kubernetes.client.exceptions import ApiException
+
+        ns = self.config.namespace
+        try:
+            resp = self._core.list_namespaced_pod(
+                ns,
+                label_selector=f"batch.kubernetes.io/job-name={name}",
+                _preload_content=False,
+                _request_timeout=30,
+            )
+            pods = json.loads(resp.data).get("items") or []
+            if not pods:
+                return None, "", "no pod was ever created for the Job"
+            pod = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+            exit_code, note = pod_outcome(pod)
+            log = self._core.read_namespaced_pod_log(
+                pod["metadata"]["name"], ns, container=HARNESS_CONTAINER,
+                limit_bytes=self.config.max_log_bytes, _preload_content=False, _request_timeout=30,
+            ).data.decode("utf-8", errors="replace")  # fmt: skip
+            return exit_code, log, note
+        except (ApiException, OSError, ValueError, KeyError) as err:
+            return None, "", f"could not read the pod of Job {name}: {err}"
+
+    def _delete(self, name: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._batch.delete_namespaced_job(
+                name, self.config.namespace, propagation_policy="Background", _request_timeout=30
+            )
+        except ApiException as err:
+            if err.status != 404:
+                print(
+                    f"[harnessrl] could not delete Job {name}: {err.status} {err.reason}",
+                    file=sys.stderr,
+                )
+        except OSError as err:  # the TTL removes it later
+            print(f"[harnessrl] could not delete Job {name}: {err}", file=sys.stderr)
+
+
+def _result(
+    spec: RunSpec,
+    state: RolloutState,
+    started: float,
+    exit_code: int | None = None,
+    stdout: str = "",
+    stderr: str = "",
+) -> RunResult:
+    return RunResult(
+        rollout_id=spec.rollout_id,
+        state=state,
+        exit_code=exit_code,
+        stdout=stdout,
+        stderr=stderr,
+        duration_s=time.monotonic() - started,
+        output=stdout.strip(),
+    )
+
+
+def _message(err: Any) -> str:
+    try:
+        return str(json.loads(err.body).get("message", ""))
+    except (TypeError, ValueError, AttributeError):
+        return str(err.body or "")
+
+
+def _default_api_client() -> Any:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m harnessrl.rollout.k8s", description="Run harness tasks as Kubernetes Jobs."
+    )
+    ap.add_argument("--image", required=True, help="harness container image")
+    ap.add_argument("--command", required=True, help="harness command line; {task_file} expands")
+    ap.add_argument("--tasks", help="JSONL task file (default: one task from --prompt)")
+    ap.add_argument("--prompt", default="What is 2+3? Answer with just the number.")
+    ap.add_argument("--namespace", default="harnessrl")
+    ap.add_argument("--upstream", default=SidecarSpec.upstream)
+    ap.add_argument("--sidecar-image", default=SidecarSpec.image)
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print the Job YAML of the first run and exit"
+    )
+    args = ap.parse_args(argv)
+    import shlex
+
+    cfg = KubernetesLauncherConfig(
+        image=args.image,
+        command=tuple(shlex.split(args.command)),
+        namespace=args.namespace,
+        sidecar=SidecarSpec(image=args.sidecar_image, upstream=args.upstream),
+    )
+    tasks = load_tasks(args.tasks) if args.tasks else [Task("cli-0", args.prompt)]
+    specs = [
+        RunSpec(f"{t.task_id}-{uuid.uuid4().hex[:8]}", t, t.task_id, 0, "", args.timeout_s)
+        for t in tasks
+    ]
+    if args.dry_run:
+        sys.stdout.write(job_yaml(specs[0], cfg))
+        return 0
+    for r in KubernetesLauncher(cfg).run(specs):
+        print(
+            json.dumps(
+                {
+                    "rollout_id": r.rollout_id,
+                    "state": str(r.state),
+                    "exit_code": r.exit_code,
+                    "output": r.output,
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
