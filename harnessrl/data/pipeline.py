@@ -64,7 +64,8 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig.max_segments_per_row must be >= 1, got {self.max_segments_per_row}"
             )
-        if not 1 <= self.split_overlap < self.max_len:
+        split = self.length_policy == LengthPolicy.SPLIT
+        if split and not 1 <= self.split_overlap < self.max_len:
             raise ValueError(
                 f"DataConfig.split_overlap must be in [1, {self.max_len}), got {self.split_overlap}"
             )

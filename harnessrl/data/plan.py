@@ -73,6 +73,18 @@ class _Rows:
         self.nseg[r] += 1
         self.items[r].append(i)
 
+    def copy(self) -> _Rows:
+        out = _Rows(self.bucket_lens, self.max_segments)
+        out.free, out.nseg, out.bucket = self.free.copy(), self.nseg.copy(), self.bucket.copy()
+        out.items = [list(x) for x in self.items]
+        return out
+
+    def slots(self, rows_per: np.ndarray) -> int:
+        """Array slots the micro-batches of this plan would occupy."""
+        live = self.bucket[: len(self.items)]
+        counts = np.bincount(live[live >= 0], minlength=rows_per.size)
+        return int((-(-counts // rows_per) * rows_per * self.bucket_lens).sum())
+
     def remove(self, r: int) -> list[int]:
         self.bucket[r] = -1
         self.free[r] = -1
@@ -80,13 +92,29 @@ class _Rows:
         return items
 
 
+def _move_leftovers(rows: _Rows, b: int, rows_per_batch: int, lengths: np.ndarray) -> bool:
+    """Re-pack the least-filled rows that overflow bucket b's last micro-batch one bucket up."""
+    idx = np.flatnonzero(rows.bucket[: len(rows.items)] == b)
+    extra = idx.size % rows_per_batch
+    if not extra:
+        return False
+    used = rows.bucket_lens[b] - rows.free[idx]
+    leftovers = idx[np.argsort(used, kind="stable")[:extra]]
+    moved = [i for r in leftovers.tolist() for i in rows.remove(r)]
+    moved.sort(key=lambda i: -int(lengths[i]))
+    for i in moved:
+        rows.place(i, int(lengths[i]), b + 1)
+    return True
+
+
 def plan_rows(
     lengths: np.ndarray, buckets: Sequence[Bucket], max_segments: int
 ) -> list[tuple[int, list[list[int]]]]:
     """First-fit-decreasing: longest items first, each into the first open row with room (any
     bucket), else a new row of the smallest bucket that holds it. Then, smallest bucket first,
-    rows that would leave a micro-batch part-empty are re-packed one bucket up, where they fill
-    free space or share rows; only the largest bucket can end with a padded micro-batch."""
+    the rows that would leave a micro-batch part-empty are re-packed one bucket up (into free
+    space there, or sharing rows) when that takes fewer array slots; else they stay in their
+    smaller, cheaper shape. At most one micro-batch per bucket has empty rows."""
     if max_segments < 1:
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
     bucket_lens = np.array([b.length for b in buckets], np.int64)
@@ -95,17 +123,13 @@ def plan_rows(
     classes = np.searchsorted(bucket_lens, lengths, side="left")
     for i in order.tolist():
         rows.place(i, int(lengths[i]), int(classes[i]))
+    rows_per = np.array([b.rows for b in buckets], np.int64)
     for b in range(len(buckets) - 1):
-        idx = np.flatnonzero(rows.bucket[: len(rows.items)] == b)
-        extra = idx.size % buckets[b].rows
-        if not extra:
-            continue
-        used = bucket_lens[b] - rows.free[idx]
-        leftovers = idx[np.argsort(used, kind="stable")[:extra]]
-        moved = [i for r in leftovers.tolist() for i in rows.remove(r)]
-        moved.sort(key=lambda i: -int(lengths[i]))
-        for i in moved:
-            rows.place(i, int(lengths[i]), b + 1)
+        trial = rows.copy()
+        if _move_leftovers(trial, b, int(rows_per[b]), lengths) and (
+            trial.slots(rows_per) < rows.slots(rows_per)
+        ):
+            rows = trial
     plan: list[tuple[int, list[list[int]]]] = []
     live = rows.bucket[: len(rows.items)]
     for b, bucket in enumerate(buckets):
