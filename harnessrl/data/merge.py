@@ -93,6 +93,14 @@ class _Branch:
     last_prompt_len: int  # where the latest completion starts: a retry with this prompt replaces it
     last_parts: int  # number of parts before the latest completion
 
+    def array(self) -> np.ndarray:
+        """The ids as int64, converted once per version of `tokens` (breaks reuse it)."""
+        cached = self.__dict__.get("_cache")
+        if cached is None or cached[0] is not self.tokens:
+            cached = (self.tokens, np.asarray(self.tokens, dtype=np.int64))
+            self.__dict__["_cache"] = cached
+        return cached[1]
+
     def sampled_mask(self) -> np.ndarray:
         return np.concatenate(self.mask_parts) if self.mask_parts else np.zeros(0, bool)
 
@@ -161,12 +169,10 @@ def _find_extension(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch
     return best
 
 
-def _closest(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch:
-    new = np.asarray(prompt, dtype=np.int64)
-
+def _closest(branches: list[_Branch], new: np.ndarray) -> _Branch:
     def shared(branch: _Branch) -> int:
         k = min(len(branch.tokens), len(new))
-        diff = np.flatnonzero(np.asarray(branch.tokens[:k], dtype=np.int64) != new[:k])
+        diff = np.flatnonzero(branch.array()[:k] != new[:k])
         return int(diff[0]) if diff.size else k
 
     return max(reversed(branches), key=shared)
@@ -212,10 +218,9 @@ def merge_calls(
         base = retried or _find_extension(branches, prompt)
         if base is None:
             if branches:
-                closest = _closest(branches, prompt)
-                old = np.asarray(closest.tokens, dtype=np.int64)
                 new = np.asarray(prompt, dtype=np.int64)
-                diag = diagnose_break(old, new, closest.sampled_mask(), decode)
+                closest = _closest(branches, new)
+                diag = diagnose_break(closest.array(), new, closest.sampled_mask(), decode)
                 breaks.append(BreakDiagnosis(call.rollout_id, call.seq, *diag))
                 stats.breaks += 1
             base = _Branch((), [], [], [], [], 0, 0)
@@ -245,7 +250,7 @@ def _finish(branch: _Branch, rollout_id: str, stats: MergeStats) -> MergedSequen
     versions = [v for v in branch.versions if v is not None]
     return MergedSequence(
         rollout_id=rollout_id,
-        tokens=np.asarray(branch.tokens, dtype=np.int32),
+        tokens=branch.array().astype(np.int32),
         loss_mask=mask,
         logprobs=logprobs,
         call_seqs=tuple(branch.call_seqs),
