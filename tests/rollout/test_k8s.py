@@ -18,6 +18,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from harnessrl.data.advantages import compute_advantages
 from harnessrl.rollout.k8s import (
     KubernetesLauncher,
     KubernetesLauncherConfig,
@@ -26,7 +27,7 @@ from harnessrl.rollout.k8s import (
     label_value,
 )
 from harnessrl.rollout.tasks import RunSpec, Task
-from harnessrl.traces.schema import RolloutState
+from harnessrl.traces.schema import RolloutRecord, RolloutState
 from proxy_sidecar.webhook import SIDECAR_NAME, SidecarSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,21 +111,31 @@ def test_job_manifest_wires_sidecar_env_task_and_limits() -> None:
 
 
 def test_failed_and_evicted_jobs_are_failed_runs_never_trained() -> None:
-    specs = [spec(0), spec(1), spec(2)]
+    specs = [spec(i) for i in range(4)]
     outcomes = {
         specs[0].rollout_id: fake.Outcome("complete", log="3\n"),
-        specs[1].rollout_id: fake.Outcome("fail", exit_code=2, log="Traceback: boom\n"),
-        specs[2].rollout_id: fake.Outcome("evict", log="partial\n"),
+        specs[1].rollout_id: fake.Outcome("complete", log="4\n"),
+        specs[2].rollout_id: fake.Outcome("fail", exit_code=2, log="3\nTraceback: boom\n"),
+        specs[3].rollout_id: fake.Outcome("evict", log="3\n"),
     }
     with fake.FakeKube(by_rollout(outcomes)) as kube:
-        ok, failed, evicted = launcher(kube).run(specs)
-    assert ok.state is RolloutState.SUCCEEDED
+        results = launcher(kube).run(specs)
+    right, wrong, failed, evicted = results
+    assert right.state is wrong.state is RolloutState.SUCCEEDED
     assert failed.state is RolloutState.FAILED and failed.exit_code == 2
-    assert "BackoffLimitExceeded" in failed.stderr and failed.stdout == "Traceback: boom\n"
+    assert "BackoffLimitExceeded" in failed.stderr and failed.stdout == "3\nTraceback: boom\n"
     assert evicted.state is RolloutState.FAILED and "pod evicted" in evicted.stderr
-    # What the train loop keeps: only SUCCEEDED runs reach the learner.
-    trainable = [r.rollout_id for r in (ok, failed, evicted) if r.state is RolloutState.SUCCEEDED]
-    assert trainable == [ok.rollout_id]
+    # Into the data layer as the train loop hands them over: the evicted run even printed the
+    # right answer, yet a failed Job never reaches training.
+    records = [
+        RolloutRecord(
+            r.rollout_id, "sum-3", "g-sum-3", state=r.state, reward=float(r.output.startswith("3"))
+        )
+        for r in results
+    ]
+    adv = compute_advantages(records)
+    assert set(adv.advantages) == {right.rollout_id, wrong.rollout_id}
+    assert adv.excluded == {failed.rollout_id: "failed", evicted.rollout_id: "failed"}
 
 
 def test_deadline_exceeded_and_silent_cluster_both_time_out() -> None:

@@ -1,0 +1,180 @@
+"""Weight sync: new learner weights into the serving fleet, between two rollout rounds.
+
+In: an exported HF safetensors folder (or, in process, a params state) and a policy version.
+Out: servers that answer with the new weights: the embedded JAX server, or vLLM via its HTTP API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+
+class WeightSyncError(RuntimeError):
+    """A server did not take the new weights; the train loop must not record the new version."""
+
+
+class WeightSync(Protocol):
+    def push(self, export_dir_or_params: Any, version: int) -> None:
+        """Make every server serve these weights as `version`; returns once they do."""
+        ...
+
+
+def _check_version(version: Any) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be an int >= 0, got {version!r}")
+    return version
+
+
+def check_export_dir(path: Any) -> Path:
+    """An exported HF folder: config.json plus safetensors. Checked before any server sees it."""
+    if not isinstance(path, str | Path):
+        raise TypeError(
+            f"expected the path of an exported HF folder, got {type(path).__name__}; "
+            "write one with harnessrl.model.export.export_hf(model, out_dir) first"
+        )
+    p = Path(path)
+    if not (p / "config.json").is_file() or not any(p.glob("*.safetensors")):
+        raise ValueError(
+            f"{str(p)!r} is not an exported HF folder (needs config.json and *.safetensors); "
+            "export with harnessrl.model.export.export_hf and pass that folder"
+        )
+    return p
+
+
+def _urls(urls: Sequence[str] | str, what: str) -> tuple[str, ...]:
+    items = tuple(u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls))
+    if not items or not all(u.startswith(("http://", "https://")) for u in items):
+        raise ValueError(f"{what} urls must be http(s) server roots, got {urls!r}")
+    return items
+
+
+class EmbeddedSync:
+    """The embedded JAX server: in process (`engine.swap_params`) or over `POST /admin/load_weights`."""
+
+    def __init__(
+        self,
+        engine: Any = None,
+        urls: Sequence[str] | str = (),
+        timeout_s: float = 600.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if engine is None and not urls:
+            raise ValueError("EmbeddedSync needs an in-process engine or the servers' urls")
+        if engine is not None and not callable(getattr(engine, "swap_params", None)):
+            raise TypeError(f"engine must have swap_params(params, version), got {type(engine).__name__}")
+        self.engine = engine
+        self.urls = _urls(urls, "EmbeddedSync") if urls else ()
+        self._client = client or httpx.Client(timeout=timeout_s)
+
+    def push(self, export_dir_or_params: Any, version: int) -> None:
+        version = _check_version(version)
+        if self.engine is not None:
+            if isinstance(export_dir_or_params, str | Path):
+                raise TypeError(
+                    "the in-process engine takes params (an nnx.State or Decoder), not a folder; "
+                    "use EmbeddedSync(urls=...) to make servers load an exported folder"
+                )
+            self.engine.swap_params(export_dir_or_params, version)
+            return
+        path = check_export_dir(export_dir_or_params)
+        for url in self.urls:
+            try:
+                r = self._client.post(
+                    f"{url}/admin/load_weights", json={"path": str(path.resolve()), "version": version}
+                )
+            except httpx.HTTPError as err:
+                raise WeightSyncError(f"{url}: load_weights failed: {err}") from err
+            if r.status_code != 200 or r.json().get("version") != version:
+                raise WeightSyncError(f"{url}: load_weights answered {r.status_code}: {r.text[:500]}")
+
+
+@dataclass(frozen=True)
+class VLLMSyncConfig:
+    """vLLM servers started with VLLM_SERVER_DEV_MODE=1 (that enables the endpoints used here)."""
+
+    urls: tuple[str, ...]
+    timeout_s: float = 600.0  # one reload; big models on slow shared storage take a while
+    pause_mode: str = "wait"  # vLLM's /pause: "wait" drains in-flight requests, "abort" drops them
+    # Shared storage mounted elsewhere on the servers: (prefix on the learner, prefix on servers).
+    path_map: tuple[str, str] | None = None
+    api_key: str | None = None  # vLLM's --api-key, if set
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "urls", _urls(self.urls, "VLLMSyncConfig"))
+        if self.pause_mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"VLLMSyncConfig.pause_mode must be wait|abort|keep, got {self.pause_mode!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"VLLMSyncConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+
+
+class VLLMSync:
+    """Reload weights in place from an exported folder through vLLM's documented HTTP endpoints.
+
+    Per server: `POST /pause?mode=wait` → `POST /collective_rpc` with `reload_weights(weights_path)`
+    on every worker → `POST /reset_prefix_cache` (cached KV came from the old weights) →
+    `POST /update_weight_version` → `POST /resume` (always, even after a failure).
+    """
+
+    def __init__(self, config: VLLMSyncConfig, client: httpx.Client | None = None) -> None:
+        self.config = config
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._client = client or httpx.Client(timeout=config.timeout_s, headers=headers)
+        self.last_push_s = 0.0  # how long the last push held one server (pause to resume)
+
+    def server_path(self, path: Path) -> str:
+        text = str(path.resolve())
+        if self.config.path_map is not None:
+            src, dst = self.config.path_map
+            if not text.startswith(src):
+                raise ValueError(f"export dir {text!r} is not under path_map source {src!r}")
+            text = dst + text[len(src) :]
+        return text
+
+    def push(self, export_dir_or_params: Any, version: int) -> None:
+        version = _check_version(version)
+        # Checked here because a bad path makes vLLM's worker raise, which kills its engine.
+        weights_path = self.server_path(check_export_dir(export_dir_or_params))
+        for url in self.config.urls:
+            self._push_one(url, weights_path, version)
+
+    def _push_one(self, url: str, weights_path: str, version: int) -> None:
+        t0 = time.monotonic()
+        self._post(url, "/pause", params={"mode": self.config.pause_mode})
+        try:
+            r = self._post(
+                url,
+                "/collective_rpc",
+                json={
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": weights_path},
+                    "timeout": self.config.timeout_s,
+                },
+            )
+            self._post(url, "/reset_prefix_cache")
+            self._post(url, "/update_weight_version", json={"new_version": str(version)})
+        finally:
+            self._post(url, "/resume")
+        results = r.json().get("results") if r.content else None
+        if results is not None and any(x is not None for x in results):
+            raise WeightSyncError(f"{url}: reload_weights returned {results!r}")
+        self.last_push_s = time.monotonic() - t0
+
+    def _post(self, url: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self._client.post(url + path, **kw)
+        except httpx.HTTPError as err:
+            raise WeightSyncError(f"{url}{path} failed: {err}") from err
+        if r.status_code == 404:
+            raise WeightSyncError(
+                f"{url}{path} is not served: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                "(it enables the weight-reload endpoints)"
+            )
+        if r.status_code != 200:
+            raise WeightSyncError(f"{url}{path} answered {r.status_code}: {r.text[:500]}")
+        return r
