@@ -185,5 +185,5 @@ def sample_tokens(
     sampled_s = jnp.argmax(masked_sv + noise_sv, axis=-1)
     token_s = jnp.where(greedy_s, jnp.argmax(logits_sv, axis=-1), sampled_s).astype(jnp.int32)
     logprob_s = jnp.take_along_axis(logprobs_sv, token_s[:, None], axis=-1)[:, 0]
-    top_lp_sk, top_ids_sk = jax.lax.top_k(logprobs_sv, MAX_TOP_LOGPROBS)
+    top_lp_sk, top_ids_sk = jax.lax.top_k(logprobs_sv, min(MAX_TOP_LOGPROBS, vocab))
     return token_s, logprob_s, top_ids_sk.astype(jnp.int32), top_lp_sk
