@@ -18,7 +18,7 @@ import numpy as np
 from harnessrl.data.pipeline import DataConfig, StepTraces, build_step
 from harnessrl.traces.schema import CallRecord, Choice, EndpointKind, RolloutRecord, RolloutState
 
-BUCKETS = ((32, 2048), (16, 4096), (8, 8192), (4, 16384), (2, 32768))  # 64k slots each
+BUCKETS = ((16, 2048), (8, 4096), (4, 8192), (2, 16384), (1, 32768))  # 32k slots each
 MAX_LEN = 32768
 
 

@@ -52,14 +52,16 @@ def _reward_of(
     return float(run.reward), None
 
 
-def _group_advantages(r: np.ndarray, estimator: Estimator, std_normalize: bool, eps: float):
+def _group_advantages(
+    r: np.ndarray, estimator: Estimator, std_normalize: bool, eps: float
+) -> np.ndarray:
     n = r.size
     centered = r - r.mean()
     if estimator == Estimator.RLOO:
         # r_i - mean_{j != i} r_j == n/(n-1) * (r_i - mean); a lone run has no baseline.
-        return centered * (n / (n - 1)) if n > 1 else np.zeros_like(r)
+        return np.asarray(centered * (n / (n - 1)) if n > 1 else np.zeros_like(r))
     if estimator == Estimator.GRPO and std_normalize:
-        return centered / (r.std() + eps)
+        return np.asarray(centered / (float(r.std()) + eps))
     return centered
 
 

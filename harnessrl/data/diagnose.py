@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+Decoder = Callable[[list[int]], str]
 _WINDOW = 8  # ids shown on each side, and the widest short edit considered a re-tokenization
 _ANCHOR = 4  # ids that must agree again after an edit for the two sides to count as re-synced
 
@@ -80,7 +81,9 @@ def _same_text(t_old: str | None, t_new: str | None) -> str | None:
     return None
 
 
-def _tail_retokenized(old: np.ndarray, new: np.ndarray, i: int, decode) -> str | None:
+def _tail_retokenized(
+    old: np.ndarray, new: np.ndarray, i: int, decode: Decoder | None
+) -> str | None:
     """The previous sequence ends inside the edit: does some short prefix of the rest of the
     new prompt spell the same text as the old tail?"""
     t_old = _text(decode, old[i:])
@@ -111,7 +114,7 @@ def diagnose_break(
 
 
 def _classify(
-    old: np.ndarray, new: np.ndarray, sampled: np.ndarray, i: int, decode
+    old: np.ndarray, new: np.ndarray, sampled: np.ndarray, i: int, decode: Decoder | None
 ) -> tuple[BreakCause, str]:
     if i == 0:
         return BreakCause.OTHER, "no shared prefix: a new context (sub-agent, reset or new task)"

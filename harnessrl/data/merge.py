@@ -8,12 +8,12 @@ already seen, and counters for everything that was skipped.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from harnessrl.data.diagnose import BreakCause, BreakDiagnosis, diagnose_break
+from harnessrl.data.diagnose import BreakCause, BreakDiagnosis, Decoder, diagnose_break
 from harnessrl.traces.schema import CallRecord
 
 __all__ = [
@@ -86,6 +86,7 @@ class _Branch:
     next prompt (also a tuple) run as one C-level comparison."""
 
     tokens: tuple[int, ...]
+    token_parts: list[np.ndarray]  # the same ids as int64 pieces, each id converted only once
     mask_parts: list[np.ndarray]
     logprob_parts: list[np.ndarray]
     call_seqs: list[int]
@@ -94,10 +95,11 @@ class _Branch:
     last_parts: int  # number of parts before the latest completion
 
     def array(self) -> np.ndarray:
-        """The ids as int64, converted once per version of `tokens` (breaks reuse it)."""
+        """The ids as one int64 array, built once per version of `tokens`."""
         cached = self.__dict__.get("_cache")
         if cached is None or cached[0] is not self.tokens:
-            cached = (self.tokens, np.asarray(self.tokens, dtype=np.int64))
+            parts = self.token_parts
+            cached = (self.tokens, np.concatenate(parts) if parts else np.zeros(0, np.int64))
             self.__dict__["_cache"] = cached
         return cached[1]
 
@@ -121,8 +123,10 @@ def _extend(
     branch.last_prompt_len = len(prompt)
     branch.last_parts = len(branch.mask_parts)
     if delta:
+        branch.token_parts.append(np.array(prompt[start:], dtype=np.int64))
         branch.mask_parts.append(np.zeros(delta, bool))
         branch.logprob_parts.append(np.zeros(delta, np.float32))
+    branch.token_parts.append(np.array(completion, dtype=np.int64))
     branch.mask_parts.append(np.ones(len(completion), bool))
     branch.logprob_parts.append(lps)
     branch.tokens = tuple(prompt) + completion if delta else branch.tokens + completion
@@ -136,7 +140,8 @@ def _fork(branch: _Branch) -> _Branch:
     n = len(branch.tokens)
     lps = np.zeros(n, np.float32)
     calls, versions = list(branch.call_seqs), list(branch.versions)
-    return _Branch(branch.tokens, [np.zeros(n, bool)], [lps], calls, versions, 0, 0)
+    ids = [branch.array()]
+    return _Branch(branch.tokens, ids, [np.zeros(n, bool)], [lps], calls, versions, 0, 0)
 
 
 def _retry_target(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch | None:
@@ -149,6 +154,7 @@ def _retry_target(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch |
 
 def _rewind(branch: _Branch) -> None:
     """Drop the latest completion of a branch (it was superseded by a retry)."""
+    del branch.token_parts[branch.last_parts :]
     del branch.mask_parts[branch.last_parts :]
     del branch.logprob_parts[branch.last_parts :]
     branch.tokens = branch.tokens[: sum(len(p) for p in branch.mask_parts)]
@@ -162,6 +168,7 @@ def _find_extension(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch
         n = len(branch.tokens)
         if (
             n <= len(prompt)
+            and (n == 0 or prompt[n - 1] == branch.tokens[-1])  # cheap reject first
             and prompt[:n] == branch.tokens
             and (best is None or n > len(best.tokens))
         ):
@@ -181,7 +188,7 @@ def _closest(branches: list[_Branch], new: np.ndarray) -> _Branch:
 def merge_calls(
     calls: Sequence[CallRecord],
     *,
-    decode: Callable[[list[int]], str] | None = None,
+    decode: Decoder | None = None,
 ) -> MergeResult:
     """Turn one rollout's calls (ordered by `seq`) into sequences.
 
@@ -223,7 +230,7 @@ def merge_calls(
                 diag = diagnose_break(closest.array(), new, closest.sampled_mask(), decode)
                 breaks.append(BreakDiagnosis(call.rollout_id, call.seq, *diag))
                 stats.breaks += 1
-            base = _Branch((), [], [], [], [], 0, 0)
+            base = _Branch((), [], [], [], [], [], 0, 0)
             branches.append(base)
         targets = [base] + [_fork(base) for _ in chosen[1:]]
         branches.extend(targets[1:])

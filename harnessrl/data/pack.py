@@ -45,7 +45,8 @@ class PackedBatch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.tokens.shape  # type: ignore[return-value]
+        rows, length = self.tokens.shape
+        return int(rows), int(length)
 
     @property
     def num_tokens(self) -> int:

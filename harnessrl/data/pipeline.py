@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grain
 
 from harnessrl.data.advantages import Estimator, compute_advantages
-from harnessrl.data.diagnose import BreakDiagnosis
+from harnessrl.data.diagnose import BreakDiagnosis, Decoder
 from harnessrl.data.merge import (
     LengthPolicy,
     MergedSequence,
@@ -26,8 +27,6 @@ from harnessrl.data.pack import PackedBatch, PackItem, pack_items, shard_batches
 from harnessrl.data.plan import Bucket, validate_buckets
 from harnessrl.data.weights import LossMode, token_weights
 from harnessrl.traces.schema import CallRecord, RolloutRecord, TraceStore
-
-Decoder = Callable[[list[int]], str]
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,9 @@ def step_dataset(
     return grain.MapDataset.source(list(steps)).map(build)
 
 
-def step_iterator(dataset: grain.MapDataset, state: dict | None = None) -> grain.DatasetIterator:
+def step_iterator(
+    dataset: grain.MapDataset, state: dict[str, Any] | None = None
+) -> grain.DatasetIterator:
     """Iterate a `step_dataset`; `iterator.get_state()` is the checkpoint, `state` restores it.
 
     No threads and no prefetch: in on-policy training step k's traces only exist once its runs

@@ -107,14 +107,27 @@ def _move_leftovers(rows: _Rows, b: int, rows_per_batch: int, lengths: np.ndarra
     return True
 
 
+def _best_cascade(rows: _Rows, b: int, rows_per: np.ndarray, lengths: np.ndarray) -> _Rows:
+    """Try moving bucket b's overflow rows up by 1, 2, ... buckets (each level passing its own
+    overflow on); keep the plan with the fewest slots, the unchanged one on ties."""
+    best, best_slots = rows, rows.slots(rows_per)
+    trial = rows.copy()
+    for c in range(b, rows_per.size - 1):
+        if not _move_leftovers(trial, c, int(rows_per[c]), lengths):
+            break
+        if trial.slots(rows_per) < best_slots:
+            best, best_slots = trial.copy(), trial.slots(rows_per)
+    return best
+
+
 def plan_rows(
     lengths: np.ndarray, buckets: Sequence[Bucket], max_segments: int
 ) -> list[tuple[int, list[list[int]]]]:
     """First-fit-decreasing: longest items first, each into the first open row with room (any
     bucket), else a new row of the smallest bucket that holds it. Then, smallest bucket first,
-    the rows that would leave a micro-batch part-empty are re-packed one bucket up (into free
-    space there, or sharing rows) when that takes fewer array slots; else they stay in their
-    smaller, cheaper shape. At most one micro-batch per bucket has empty rows."""
+    the rows that would leave a micro-batch part-empty are re-packed into larger buckets (into
+    free space there, or sharing rows, cascading upward) when that takes fewer array slots; else
+    they stay in their smaller, cheaper shape. At most one micro-batch per bucket has empty rows."""
     if max_segments < 1:
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
     bucket_lens = np.array([b.length for b in buckets], np.int64)
@@ -125,11 +138,7 @@ def plan_rows(
         rows.place(i, int(lengths[i]), int(classes[i]))
     rows_per = np.array([b.rows for b in buckets], np.int64)
     for b in range(len(buckets) - 1):
-        trial = rows.copy()
-        if _move_leftovers(trial, b, int(rows_per[b]), lengths) and (
-            trial.slots(rows_per) < rows.slots(rows_per)
-        ):
-            rows = trial
+        rows = _best_cascade(rows, b, rows_per, lengths)
     plan: list[tuple[int, list[list[int]]]] = []
     live = rows.bucket[: len(rows.items)]
     for b, bucket in enumerate(buckets):

@@ -8,7 +8,7 @@ switching modes never changes the compiled program.
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,7 +64,7 @@ def token_weights(
         n_seq = len(sequences)
         return [mask / np.float32(c * n_seq) for mask, c in zip(masks, counts, strict=True)]
     if m == LossMode.RUN_MEAN:
-        run_tokens: Counter[str] = Counter()
+        run_tokens: dict[str, float] = defaultdict(float)
         for s, c in zip(sequences, counts, strict=True):
             run_tokens[s.rollout_id] += c
         n_runs = len(run_tokens)
