@@ -86,11 +86,37 @@ def job_name(rollout_id: str) -> str:
     return f"hrl-{slug}-{digest}" if slug else f"hrl-{digest}"
 
 
+def _harness_container(spec: RunSpec, cfg: KubernetesLauncherConfig) -> dict[str, Any]:
+    task_file = f"{TASK_DIR}/task.json"
+    argv = [
+        c.replace("{task_file}", task_file).replace("{rollout_id}", spec.rollout_id)
+        for c in cfg.command
+    ]
+    env = {
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{cfg.sidecar.port}/rollouts/{spec.rollout_id}/v1",
+        "OPENAI_API_KEY": cfg.sidecar.api_key,
+        "HARNESSRL_ROLLOUT_ID": spec.rollout_id,
+        "HARNESSRL_TASK_FILE": task_file,
+        "HARNESSRL_TASK_PROMPT": spec.task.prompt,
+    }
+    return {
+        "name": HARNESS_CONTAINER,
+        "image": cfg.image,
+        "command": argv,
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "volumeMounts": [{"name": "task", "mountPath": TASK_DIR, "readOnly": True}],
+        "resources": {
+            "requests": {"cpu": cfg.cpu, "memory": cfg.memory},
+            "limits": {"memory": cfg.memory},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
 def job_manifest(
     spec: RunSpec, cfg: KubernetesLauncherConfig, batch: str = "dry-run"
 ) -> dict[str, Any]:
     """The Job for one run: harness container + native sidecar, task mounted from an annotation."""
-    task_file = f"{TASK_DIR}/task.json"
     labels = {
         "app.kubernetes.io/name": "harnessrl-harness",
         "app.kubernetes.io/managed-by": "harnessrl",
@@ -105,53 +131,22 @@ def job_manifest(
         "harnessrl.io/group-id": spec.group_id,
         "harnessrl.io/attempt": str(spec.attempt),
     }
-    argv = [
-        c.replace("{task_file}", task_file).replace("{rollout_id}", spec.rollout_id)
-        for c in cfg.command
-    ]
-    port = cfg.sidecar.port
-    harness = {
-        "name": HARNESS_CONTAINER,
-        "image": cfg.image,
-        "command": argv,
-        "env": [
-            {
-                "name": "OPENAI_BASE_URL",
-                "value": f"http://127.0.0.1:{port}/rollouts/{spec.rollout_id}/v1",
-            },
-            {"name": "OPENAI_API_KEY", "value": cfg.sidecar.api_key},
-            {"name": "HARNESSRL_ROLLOUT_ID", "value": spec.rollout_id},
-            {"name": "HARNESSRL_TASK_FILE", "value": task_file},
-            {"name": "HARNESSRL_TASK_PROMPT", "value": spec.task.prompt},
-        ],
-        "volumeMounts": [{"name": "task", "mountPath": TASK_DIR, "readOnly": True}],
-        "resources": {
-            "requests": {"cpu": cfg.cpu, "memory": cfg.memory},
-            "limits": {"memory": cfg.memory},
-        },
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
+    # The task travels in the pod's own annotation (downward API file): no ConfigMap per run.
+    task_ref = {"fieldPath": f"metadata.annotations['{TASK_ANNOTATION}']"}
     pod_spec = {
         "restartPolicy": "Never",
         "serviceAccountName": cfg.service_account,
         "automountServiceAccountToken": False,  # the harness never talks to the API server
         "initContainers": [sidecar_container(cfg.sidecar)],
-        "containers": [harness],
+        "containers": [_harness_container(spec, cfg)],
         "volumes": [
             {
                 "name": "task",
-                # The task travels in the pod's own annotation: no ConfigMap per run to clean up.
-                "downwardAPI": {
-                    "items": [
-                        {
-                            "path": "task.json",
-                            "fieldRef": {"fieldPath": f"metadata.annotations['{TASK_ANNOTATION}']"},
-                        }
-                    ]
-                },
+                "downwardAPI": {"items": [{"path": "task.json", "fieldRef": task_ref}]},
             }
         ],
     }
+    pod_annotations = {**annotations, TASK_ANNOTATION: json.dumps(spec.task.to_json())}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -166,13 +161,8 @@ def job_manifest(
             "activeDeadlineSeconds": max(1, math.ceil(spec.timeout_s)),
             "ttlSecondsAfterFinished": cfg.ttl_s,
             "template": {
-                "metadata": {
-                    "labels": dict(labels),  # a copy: YAML output without anchors
-                    "annotations": {
-                        **annotations,
-                        TASK_ANNOTATION: json.dumps(spec.task.to_json()),
-                    },
-                },
+                # A copy of the labels: YAML output without anchors.
+                "metadata": {"labels": dict(labels), "annotations": pod_annotations},
                 "spec": pod_spec,
             },
         },
