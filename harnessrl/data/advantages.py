@@ -56,7 +56,7 @@ def _group_advantages(
     r: np.ndarray, estimator: Estimator, std_normalize: bool, eps: float
 ) -> np.ndarray:
     n = r.size
-    centered = r - r.mean()
+    centered: np.ndarray = r - float(r.mean())
     if estimator == Estimator.RLOO:
         # r_i - mean_{j != i} r_j == n/(n-1) * (r_i - mean); a lone run has no baseline.
         return np.asarray(centered * (n / (n - 1)) if n > 1 else np.zeros_like(r))

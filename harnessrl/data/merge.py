@@ -144,12 +144,24 @@ def _fork(branch: _Branch) -> _Branch:
     return _Branch(branch.tokens, ids, [np.zeros(n, bool)], [lps], calls, versions, 0, 0)
 
 
-def _retry_target(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch | None:
-    for branch in reversed(branches):
-        n = branch.last_prompt_len
-        if n and n == len(prompt) and len(branch.tokens) > n and branch.tokens[:n] == prompt:
-            return branch
-    return None
+def _retry(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch | None:
+    """If `prompt` repeats the prompt of the latest call on some branch, that call was retried:
+    drop its answers (every choice) and return the branch of its choice 0 to extend instead."""
+    n = len(prompt)
+    hits = [
+        b
+        for b in branches
+        if b.last_prompt_len == n and len(b.tokens) > n and b.tokens[:n] == prompt
+    ]
+    if not hits:
+        return None
+    latest = max(b.call_seqs[-1] for b in hits)
+    hits = [b for b in hits if b.call_seqs[-1] == latest]
+    for b in hits:
+        _rewind(b)
+    for fork in hits[1:]:  # forks of an n>1 call hold only shared context once rewound
+        branches.remove(fork)
+    return hits[0]
 
 
 def _rewind(branch: _Branch) -> None:
@@ -218,9 +230,8 @@ def merge_calls(
             stats.calls_without_logprobs += 1
             continue
         prompt = tuple(call.prompt_token_ids)
-        retried = _retry_target(branches, prompt)
+        retried = _retry(branches, prompt)
         if retried is not None:
-            _rewind(retried)
             stats.retries_deduped += 1
         base = retried or _find_extension(branches, prompt)
         if base is None:

@@ -110,3 +110,11 @@ def test_merged_arrays_have_training_dtypes():
     (seq,) = merge_calls([make_call("r", 0, [1], [[2]])]).sequences
     assert seq.tokens.dtype == np.int32 and seq.logprobs.dtype == np.float32
     assert seq.loss_mask.dtype == np.bool_
+
+
+def test_retry_of_an_n2_call_drops_every_choice_of_the_superseded_call():
+    c0 = make_call("r", 0, [1, 2], [[3, 4], [5]])
+    c1 = make_call("r", 1, [1, 2], [[6]])  # same request again
+    result = merge_calls([c0, c1])
+    assert result.stats.retries_deduped == 1
+    assert [s.tokens.tolist() for s in result.sequences] == [[1, 2, 6]]

@@ -18,7 +18,7 @@ from harnessrl.data.pipeline import (
 )
 from harnessrl.traces.schema import RolloutState
 
-SMALL = ((4, 32), (2, 64))  # forces splitting of the longer generated sequences
+SMALL = ((4, 16), (2, 32))  # forces splitting of the longer generated sequences
 
 
 def _traces(runs: list[GeneratedRun]) -> StepTraces:
@@ -37,7 +37,7 @@ def _trained(batches) -> tuple[np.ndarray, np.ndarray]:
 def test_every_sampled_token_is_trained_exactly_once_and_weights_sum_as_defined(runs, mode):
     cfg = DataConfig(
         buckets=SMALL,
-        split_overlap=8,
+        split_overlap=4,
         loss_mode=mode,
         drop_zero_variance=False,
         constant_normalizer=50.0,
@@ -65,7 +65,7 @@ def test_every_sampled_token_is_trained_exactly_once_and_weights_sum_as_defined(
 @settings(max_examples=20, deadline=None)
 @given(agent_step(), st.integers(2, 4))
 def test_data_parallel_shards_run_the_same_micro_steps(runs, count):
-    cfg = DataConfig(buckets=SMALL, split_overlap=8, drop_zero_variance=False)
+    cfg = DataConfig(buckets=SMALL, split_overlap=4, drop_zero_variance=False)
     whole = build_step(0, _traces(runs), cfg)
     shards = [
         build_step(0, _traces(runs), cfg, process_index=i, process_count=count)

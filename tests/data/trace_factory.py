@@ -73,18 +73,28 @@ class GeneratedRun:
 def agent_run(draw: st.DrawFn, rollout_id: str, group_id: str, max_calls: int = 6) -> GeneratedRun:
     """A harness loop: each call either extends the running context (tool output appended) or
     starts over (a fresh context opened by a marker id nothing else uses). Some calls fail,
-    some sample n=2; the harness continues from choice 0."""
+    some sample n=2 (the harness continues from choice 0), some repeat the last request."""
     tok = st.integers(min_value=3, max_value=999)
     context: list[int] = []
     calls: list[CallRecord] = []
     sampled: dict[float, str] = {}
     marker = 10_000  # markers only need to differ within one run
+    last: CallRecord | None = None  # the latest successful call
     for seq in range(draw(st.integers(1, max_calls))):
-        kind = draw(st.sampled_from(["extend", "extend", "extend", "restart", "fail"]))
-        if kind == "restart" or not context:
-            marker += 1
-            context = [marker]
-        prompt = context + draw(st.lists(tok, min_size=0 if len(context) > 1 else 1, max_size=12))
+        kind = draw(st.sampled_from(["extend", "extend", "extend", "restart", "fail", "retry"]))
+        if kind == "retry" and last is not None:
+            # The harness repeats its last request: that call's answers are superseded.
+            prompt = list(last.prompt_token_ids)
+            for choice in last.choices:
+                for lp in choice.logprobs:
+                    del sampled[lp]
+        else:
+            if kind == "restart" or not context:
+                marker += 1
+                context = [marker]
+            prompt = context + draw(
+                st.lists(tok, min_size=0 if len(context) > 1 else 1, max_size=12)
+            )
         if kind == "fail":
             calls.append(make_call(rollout_id, seq, prompt, [], status=500, error="upstream error"))
             continue
@@ -95,6 +105,7 @@ def agent_run(draw: st.DrawFn, rollout_id: str, group_id: str, max_calls: int = 
         for choice in call.choices:
             sampled.update(dict.fromkeys(choice.logprobs, rollout_id))
         context = prompt + comps[0]
+        last = call
     reward = draw(st.sampled_from([0.0, 0.5, 1.0]))
     return GeneratedRun(make_run(rollout_id, group_id, reward), calls, sampled)
 
