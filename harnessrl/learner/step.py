@@ -169,9 +169,9 @@ class Learner:
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         stats = {
-            "grad_norm": optax.global_norm(grads),
-            "update_norm": optax.global_norm(updates),
-            "param_norm": optax.global_norm(new_params),
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(new_params),
             "lr": jnp.asarray(self._schedule(step), jnp.float32),
         }
         return new_params, opt_state, jax.tree.map(jnp.zeros_like, grads), stats
@@ -202,17 +202,30 @@ class Learner:
             for name, arr in arrays.items()
         }
 
+    def _accumulate(self, batches: Sequence[Any]) -> dict[str, float]:
+        """Run the micro-steps of one step into the accumulators; return the metric sums."""
+        if not batches:
+            raise ValueError("a step needs at least one micro-batch, got an empty list")
+        for batch in batches:
+            self._grads, self._sums = self._micro(
+                self.params, self.ref_params, self._grads, self._sums, self.put_batch(batch)
+            )
+        sums = jax.device_get(self._sums)
+        self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
+        return sums
+
+    def compute_gradients(self, batches: Sequence[Any]) -> tuple[dict[str, float], Any]:
+        """Loss metrics and the summed float32 gradient of a step, without updating (host copy)."""
+        with jax.set_mesh(self.mesh):
+            sums = self._accumulate(batches)
+            grads = gather_to_host(self._grads)
+            self._grads = self._zeros_like_params()
+        return losses.finalize_metrics(sums), grads
+
     def train_step(self, batches: Sequence[Any]) -> dict[str, float]:
         """One optimizer step over any number of micro-batches; returns step metrics."""
-        if not batches:
-            raise ValueError("train_step needs at least one micro-batch")
         with jax.set_mesh(self.mesh):
-            for batch in batches:
-                self._grads, self._sums = self._micro(
-                    self.params, self.ref_params, self._grads, self._sums, self.put_batch(batch)
-                )
-            sums = jax.device_get(self._sums)
-            self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
+            sums = self._accumulate(batches)
             step = jnp.asarray(self.step, jnp.int32)
             self.params, self.opt_state, self._grads, stats = self._apply(
                 self.params, self.opt_state, self._grads, step

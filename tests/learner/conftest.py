@@ -1,0 +1,79 @@
+"""Learner tests share one persistent XLA compilation cache per session.
+
+The tiny model's programs are identical across tests and across the subprocesses that the
+multi-device, multi-process and kill-and-resume tests start, so each compiles once per session
+instead of once per Learner. The cache lives in a fresh temporary directory and is switched off
+again when the learner tests finish.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import pytest
+from jax._src import compilation_cache
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CACHE_OPTIONS = {
+    "jax_compilation_cache_dir": None,  # filled per session
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("xla_cache")
+    previous = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": str(path)}.items():
+        jax.config.update(name, value)
+    yield path
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def run_script(xla_cache_dir: Path):
+    """Run `tests/learner/SCRIPT` in a fresh interpreter with the shared compilation cache."""
+
+    def run(
+        script: str,
+        *args: str,
+        devices: int = 1,
+        timeout: float = 300,
+        env: dict | None = None,
+        background: bool = False,
+    ):
+        full_env = {
+            **os.environ,
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": str(xla_cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            **(env or {}),
+        }
+        cmd = [sys.executable, str(HERE / script), *args]
+        if background:
+            return subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=full_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
+        assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        return proc.stdout
+
+    return run

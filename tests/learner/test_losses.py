@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harnessrl.learner import losses
+
+
+def _batch(tokens, mask, behavior, adv, weights):
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return {
+        "tokens": jnp.asarray(tokens, jnp.int32),
+        "loss_mask": f(mask),
+        "behavior_logprobs": f(behavior),
+        "advantages": f(adv),
+        "token_weights": f(weights),
+    }
+
+
+def test_token_logprobs_are_aligned_to_the_target_token():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    tokens = rng.integers(0, 7, (2, 5))
+    logp, entropy = losses.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens))
+    ref = jax.nn.log_softmax(logits, axis=-1)
+    for b in range(2):
+        assert logp[b, 0] == 0.0
+        for t in range(1, 5):
+            np.testing.assert_allclose(logp[b, t], ref[b, t - 1, tokens[b, t]], rtol=1e-6)
+            p = np.exp(ref[b, t - 1])
+            np.testing.assert_allclose(entropy[b, t], -(p * ref[b, t - 1]).sum(), rtol=1e-5)
+
+
+def test_ppo_clip_uses_separate_low_and_high_epsilons():
+    behavior = jnp.zeros(4)
+    logp = jnp.log(jnp.array([0.5, 0.9, 1.2, 1.5]))
+    pos, clipped_pos, _, _ = losses.ppo_clip_tis(logp, behavior, jnp.ones(4), 0.2, 0.28, math.inf)
+    np.testing.assert_allclose(pos, -np.array([0.5, 0.9, 1.2, 1.28]), rtol=1e-6)
+    np.testing.assert_array_equal(clipped_pos, [0, 0, 0, 1])
+    neg, clipped_neg, _, _ = losses.ppo_clip_tis(logp, behavior, -jnp.ones(4), 0.2, 0.28, math.inf)
+    np.testing.assert_allclose(neg, [0.8, 0.9, 1.2, 1.5], rtol=1e-6)
+    np.testing.assert_array_equal(clipped_neg, [1, 0, 0, 0])
+
+
+def test_truncated_importance_sampling_caps_the_gradient_weight():
+    behavior = jnp.log(jnp.array([0.01, 0.5]))
+    logp = jnp.log(jnp.array([0.5, 0.5]))  # ratios 50 and 1
+    adv = -jnp.ones(2)
+
+    def loss(lp, cap):
+        return jnp.sum(losses.ppo_clip_tis(lp, behavior, adv, 0.2, 0.28, cap)[0])
+
+    g_cap = jax.grad(loss)(logp, 2.0)
+    g_free = jax.grad(loss)(logp, math.inf)
+    np.testing.assert_allclose(g_free, [50.0, 1.0], rtol=1e-5)  # d(-A r)/dlogp = r
+    np.testing.assert_allclose(g_cap, [2.0, 1.0], rtol=1e-5)
+    _, _, truncated, _ = losses.ppo_clip_tis(logp, behavior, adv, 0.2, 0.28, 2.0)
+    np.testing.assert_array_equal(truncated, [1, 0])
+
+
+def test_k3_kl_is_nonnegative_and_zero_at_equality():
+    a = jnp.log(jnp.array([0.1, 0.5, 0.9]))
+    np.testing.assert_allclose(losses.k3_kl(a, a), 0.0, atol=1e-7)
+    b = jnp.log(jnp.array([0.3, 0.2, 0.6]))
+    kl = losses.k3_kl(a, b)
+    assert (kl > 0).all()
+    np.testing.assert_allclose(kl, np.exp(b - a) - (b - a) - 1, rtol=1e-6)
+
+
+def test_loss_is_the_weighted_sum_and_metrics_add_up():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(2, 6, 11)), jnp.float32)
+    tokens = rng.integers(0, 11, (2, 6))
+    mask = np.ones((2, 6))
+    mask[:, 0] = 0
+    mask[1, 4:] = 0  # padding tail
+    behavior = np.where(mask > 0, -2.5, 123.0)  # junk where untrained must not matter
+    weights = mask / mask.sum()
+    adv = np.where(np.arange(2)[:, None] == 0, 1.0, -0.5) * np.ones((2, 6))
+    fn = losses.make_token_loss(0.2, 0.28, 2.0, 0.0, 0.0)
+    loss, m = fn(logits, _batch(tokens, mask, behavior, adv, weights), None)
+    logp, _ = losses.token_logprobs(logits, jnp.asarray(tokens))
+    pg, clipped, _, ratio = losses.ppo_clip_tis(
+        logp, jnp.asarray(behavior, jnp.float32), jnp.asarray(adv, jnp.float32), 0.2, 0.28, 2.0
+    )
+    np.testing.assert_allclose(loss, np.sum(weights * np.where(mask > 0, pg, 0)), rtol=1e-5)
+    assert m["tokens"] == mask.sum()
+    np.testing.assert_allclose(m["clip_frac"], np.sum(mask * clipped), rtol=1e-6)
+    np.testing.assert_allclose(m["ratio"], np.sum(mask * ratio), rtol=1e-5)
+    assert np.isfinite(float(m["behavior_kl"])) and float(m["behavior_kl"]) >= 0
+    assert float(m["ref_kl"]) == 0.0
+    final = losses.finalize_metrics({k: float(v) for k, v in m.items()})
+    np.testing.assert_allclose(final["clip_frac"], float(m["clip_frac"]) / mask.sum())
+
+
+def test_reference_kl_and_entropy_terms_change_loss_only_when_enabled():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(1, 5, 9)), jnp.float32)
+    ref_logits = jnp.asarray(rng.normal(size=(1, 5, 9)), jnp.float32)
+    mask = np.array([[0, 1, 1, 1, 1]], float)
+    batch = _batch(rng.integers(0, 9, (1, 5)), mask, np.full((1, 5), -2.0), mask, mask / 4)
+    base, _ = losses.make_token_loss(0.2, 0.28, 2.0, 0.0, 0.0)(logits, batch, None)
+    with_kl, m = losses.make_token_loss(0.2, 0.28, 2.0, 0.5, 0.0)(logits, batch, ref_logits)
+    logp, entropy = losses.token_logprobs(logits, batch["tokens"])
+    ref_logp, _ = losses.token_logprobs(ref_logits, batch["tokens"])
+    kl = losses.k3_kl(logp, ref_logp)
+    np.testing.assert_allclose(with_kl - base, 0.5 * np.sum(mask / 4 * kl), rtol=1e-5)
+    assert float(m["ref_kl"]) > 0
+    with_ent, _ = losses.make_token_loss(0.2, 0.28, 2.0, 0.0, 0.1)(logits, batch, None)
+    np.testing.assert_allclose(base - with_ent, 0.1 * np.sum(mask / 4 * entropy), rtol=1e-5)
+
+
+def test_bad_coefficients_are_rejected_with_their_values():
+    with pytest.raises(ValueError, match="tis_cap=1.1"):
+        losses.make_token_loss(0.2, 0.28, 1.1, 0.0, 0.0)
+    with pytest.raises(ValueError, match="eps_low=1.5"):
+        losses.make_token_loss(1.5, 0.28, 2.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="kl_coef=-1"):
+        losses.make_token_loss(0.2, 0.28, 2.0, -1, 0.0)

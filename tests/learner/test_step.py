@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tinylearn import BUCKETS, flat, random_step, tiny_model
+
+from harnessrl.data.pack import PackedBatch
+from harnessrl.learner import losses
+from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.step import Learner
+
+
+def test_compile_count_is_constant_across_30_steps_of_random_size():
+    learner = Learner(tiny_model(), LearnerConfig(learning_rate=1e-3))
+    # Warm-up: one micro-batch of every bucket shape, then one apply.
+    learner.train_step([PackedBatch.zeros(*b) for b in BUCKETS])
+    warm = learner.compile_count
+    assert warm == len(BUCKETS) + 1
+    rng = np.random.default_rng(0)
+    shapes_seen = set()
+    for step in range(30):
+        batches = random_step(seed=step, count=int(rng.integers(1, 201)))
+        shapes_seen.update(b.shape for b in batches)
+        metrics = learner.train_step(batches)
+        assert learner.compile_count == warm, f"step {step} recompiled"
+        assert metrics["compiles"] == warm and np.isfinite(metrics["loss"])
+    assert len(shapes_seen) > 1  # the steps really mixed bucket shapes
+
+
+def test_accumulated_gradient_is_the_policy_gradient_of_the_whole_step():
+    learner = Learner(tiny_model(), LearnerConfig())
+    batches = random_step(seed=3, count=40)
+    assert len(batches) >= 2
+    # Behavior = learner logprobs makes every ratio 1, so the loss is -sum(w * A * logp).
+    on_policy = [
+        PackedBatch(**{**b.as_dict(), "behavior_logprobs": learner.score(b).astype(np.float32)})
+        for b in batches
+    ]
+    metrics, grads = learner.compute_gradients(on_policy)
+    assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == pytest.approx(1.0, abs=1e-5)
+    parts = learner.parts
+
+    def reference(params):
+        total = 0.0
+        for b in on_policy:
+            logits = parts.merge(params)(b.tokens, b.positions, b.segment_ids)
+            logp, _ = losses.token_logprobs(logits, jnp.asarray(b.tokens))
+            total = total - jnp.sum(b.token_weights * b.advantages * logp)
+        return total
+
+    ref_grads = jax.grad(reference)(jax.device_get(learner.params))
+    np.testing.assert_allclose(flat(grads), flat(ref_grads), atol=1e-6, rtol=1e-4)
+    # Splitting a step into micro-batches only changes the summation order.
+    _, g0 = learner.compute_gradients(on_policy[:1])
+    _, g1 = learner.compute_gradients(on_policy[1:])
+    np.testing.assert_allclose(flat(g0) + flat(g1), flat(grads), atol=1e-6)
+
+
+def test_kl_reference_is_frozen_and_pulls_back():
+    learner = Learner(tiny_model(), LearnerConfig(learning_rate=3e-2, kl_coef=1.0))
+    batches = random_step(seed=5, count=10)
+    first = learner.train_step(batches)
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # params == reference at step 0
+    second = learner.train_step(batches)
+    assert second["ref_kl"] > 0.0
+    assert learner.ref_params is not None
+    np.testing.assert_array_equal(
+        flat(learner.ref_params), flat(Learner(tiny_model(), LearnerConfig()).params)
+    )
+
+
+def test_bad_batches_fail_with_clear_errors():
+    learner = Learner(tiny_model(), LearnerConfig())
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        learner.train_step([])
+    good = PackedBatch.zeros(8, 32).as_dict()
+    with pytest.raises(ValueError, match="missing arrays \\['advantages'\\]"):
+        learner.train_step([{k: v for k, v in good.items() if k != "advantages"}])
+    with pytest.raises(ValueError, match="'loss_mask' has shape \\(8, 16\\)"):
+        learner.train_step([{**good, "loss_mask": np.zeros((8, 16), np.float32)}])
+    with pytest.raises(TypeError, match="'tokens' has dtype float32"):
+        learner.train_step([{**good, "tokens": np.zeros((8, 32), np.float32)}])
+    with pytest.raises(TypeError, match="PackedBatch or a mapping"):
+        learner.train_step([np.zeros((8, 32))])
+    assert learner.step == 0  # nothing was applied
+
+
+def test_bf16_compute_and_remat_train_close_to_fp32():
+    batches = random_step(seed=7, count=20)
+    ref = Learner(tiny_model(), LearnerConfig())
+    m32, g32 = ref.compute_gradients(batches)
+    low = Learner(tiny_model(), LearnerConfig(compute_dtype="bfloat16", remat=True))
+    assert low.parts.merge(low.params).cfg.compute_dtype == "bfloat16"
+    m16, g16 = low.compute_gradients(batches)
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=0.05, abs=1e-3)
+    cos = np.dot(flat(g16), flat(g32)) / (np.linalg.norm(flat(g16)) * np.linalg.norm(flat(g32)))
+    assert cos > 0.99
+    half = Learner(tiny_model(), LearnerConfig(param_dtype="bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(half.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert np.isfinite(half.train_step(batches)["loss"])

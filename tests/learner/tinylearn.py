@@ -1,0 +1,75 @@
+"""Shared builders for the learner tests: a tiny decoder and random packed steps.
+
+Imported by the tests and by the subprocess scripts beside them (multi-device, multi-process,
+kill-and-resume), so every process builds bit-identical models and batches from a seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from harnessrl.data.pack import PackedBatch, PackItem, pack_items
+from harnessrl.model.config import ModelConfig
+from harnessrl.model.decoder import Decoder
+
+# Rows are multiples of 8 so every 8-device mesh can split them over (data, fsdp).
+BUCKETS: tuple[tuple[int, int], ...] = ((8, 32), (8, 64), (8, 128))
+MAX_SEGMENTS = 16
+VOCAB = 128
+
+
+def tiny_model(seed: int = 0) -> Decoder:
+    # Every sharded dimension divides 8 (fsdp) and 2 (tensor), so no rule falls back to replication.
+    cfg = ModelConfig.tiny(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+    return Decoder(cfg, rngs=nnx.Rngs(seed))
+
+
+def random_items(rng: np.random.Generator, count: int, max_len: int = 120) -> list[PackItem]:
+    """`count` sequences: a prompt (mask 0) then sampled tokens with behavior logprobs."""
+    items = []
+    for _ in range(count):
+        n = int(rng.integers(2, max_len + 1))
+        prompt = int(rng.integers(1, n))
+        mask = np.zeros(n, bool)
+        mask[prompt:] = True
+        items.append(
+            PackItem(
+                tokens=rng.integers(0, VOCAB, n).astype(np.int32),
+                loss_mask=mask,
+                logprobs=(np.log(1.0 / VOCAB) + rng.normal(0, 0.3, n)).astype(np.float32),
+                weights=np.ones(n, np.float32),
+                advantage=float(rng.choice([-1.0, 1.0]) * rng.uniform(0.2, 1.5)),
+            )
+        )
+    # Token-mean normalization over the whole step, as the data layer does.
+    total = sum(int(it.loss_mask.sum()) for it in items)
+    return [
+        PackItem(it.tokens, it.loss_mask, it.logprobs, it.weights / total, it.advantage)
+        for it in items
+    ]
+
+
+def random_step(seed: int, count: int, buckets=BUCKETS) -> list[PackedBatch]:
+    rng = np.random.default_rng(seed)
+    max_len = min(120, max(length for _, length in buckets))
+    return pack_items(random_items(rng, count, max_len), buckets, MAX_SEGMENTS).batches
+
+
+def rows_of(batch: PackedBatch, index: int, count: int) -> dict[str, np.ndarray]:
+    """Process `index` of `count`: its contiguous block of rows of a global micro-batch."""
+    rows = batch.tokens.shape[0] // count
+    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.as_dict().items()}
+
+
+def flat(tree) -> np.ndarray:
+    import jax
+
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
