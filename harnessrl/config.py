@@ -117,11 +117,12 @@ SMOKE: dict[str, Any] = {
     "rollout.group_size": 2,
     "rollout.concurrency": 4,
     "rollout.timeout_s": 120.0,
-    "rollout.harness": "{python} {examples}/answer_agent.py --max-tokens 8 --max-attempts 2",
+    "rollout.harness": "{python} {examples}/answer_agent.py --max-tokens 8 --max-attempts 2 --feedback",
     "serve.num_slots": 4,
     "serve.max_model_len": 256,
     "serve.prefill_buckets": (64, 128),
     "data.buckets": ((2, 128),),
+    "data.drop_zero_variance": False,  # a random model earns no reward; still run the update
     "learner.mesh": "data=2",
     "learner.checkpoint_every": 1,
 }

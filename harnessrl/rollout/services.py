@@ -1,0 +1,146 @@
+"""The processes a train run stands on: the policy model, the embedded server and the sidecar.
+
+In: the model spec and the stage configs. Out: a loaded (or tiny random) policy with its chat
+tokenizer, and a running `python -m proxy_sidecar` with its control API (pause, resume, version).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from harnessrl.config import SidecarConfig
+from harnessrl.model.config import ModelConfig
+from harnessrl.model.decoder import Decoder
+from harnessrl.model.load import load_model, smollm2_gguf_path
+from harnessrl.model.tokenizer import ChatTokenizer
+
+TINY = "tiny"
+
+
+def load_policy(spec: str, seed: int = 0) -> tuple[Decoder, ChatTokenizer]:
+    """`spec` as `load_model` takes it, or `tiny`: random weights around SmolLM2's tokenizer."""
+    if spec != TINY:
+        loaded = load_model(spec)
+        if loaded.tokenizer is None:
+            raise ValueError(
+                f"model {spec!r} has no tokenizer (tokenizer.json); the server needs one"
+            )
+        return loaded.model, loaded.tokenizer
+    from gguf import GGUFReader
+
+    from harnessrl.model.gguf_import import read_metadata
+
+    tokenizer = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))
+    cfg = ModelConfig.tiny(
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Decoder(cfg, rngs=nnx.Rngs(seed)), tokenizer
+
+
+def copy_model(model: nnx.Module) -> nnx.Module:
+    """The same module on fresh buffers, so the learner's donated updates never touch the server."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class SidecarProcess:
+    """`python -m proxy_sidecar` in front of `upstream`, recording into `store_url`."""
+
+    def __init__(
+        self, upstream: str, store_url: str, cfg: SidecarConfig, log_path: Path, model_name: str
+    ) -> None:
+        self.token = secrets.token_hex(16)
+        self.port = cfg.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            sys.executable,
+            "-m",
+            "proxy_sidecar",
+            "--upstream",
+            upstream,
+            "--store",
+            store_url,
+            "--port",
+            str(self.port),
+            "--model",
+            model_name,
+            "--pause-timeout-s",
+            str(cfg.pause_timeout_s),
+            "--no-call-log",
+            *shlex.split(cfg.extra_args),
+        ]
+        env = dict(os.environ, HARNESSRL_CONTROL_TOKEN=self.token)
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.client = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=120.0
+        )
+        self._wait_healthy(cfg.startup_timeout_s, log_path)
+
+    def _wait_healthy(self, timeout_s: float, log_path: Path) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if self.client.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(
+            f"the sidecar did not become healthy on {self.url}; its log ends:\n{tail}"
+        )
+
+    def base_url(self, rollout_id: str) -> str:
+        """What a harness gets as OPENAI_BASE_URL for this rollout."""
+        return f"{self.url}/rollouts/{rollout_id}/v1"
+
+    def control(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        r = self.client.post(f"/control/{action}", json=body or {})
+        if r.status_code != 200:
+            raise RuntimeError(
+                f"sidecar /control/{action} answered {r.status_code}: {r.text[:300]}"
+            )
+        return dict(r.json())
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.client.get("/control/status").json())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.client.close()
+        self._log.close()

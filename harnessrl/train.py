@@ -1,0 +1,393 @@
+"""`python -m harnessrl.train`: reinforcement learning through an unchanged harness.
+
+In: a config (`--config FILE.yaml`, `key=value` overrides; no flags = the embedded CPU run). Out,
+under `run.out_dir`: traces (SQLite), metrics.jsonl + TensorBoard, checkpoints, reward.png, and an
+HF export of the final weights. The loop: rollouts → rewards → packed arrays → update → swap.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SMOKE_DEVICES = 2  # the smoke run's sharded update spans this many simulated CPU devices
+
+
+def _set_device_flags(argv: list[str]) -> None:
+    # XLA reads its flags once, when JAX starts: this must run before anything imports jax.
+    if "--smoke" in argv:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flag = f"--xla_force_host_platform_device_count={SMOKE_DEVICES}"
+            os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+if __name__ == "__main__":
+    _set_device_flags(sys.argv)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from harnessrl.config import TrainConfig, describe, load_config  # noqa: E402
+from harnessrl.data.pipeline import StepTraces, build_step  # noqa: E402
+from harnessrl.learner.step import Learner  # noqa: E402
+from harnessrl.model import export  # noqa: E402
+from harnessrl.rollout.builtin_tasks import addition_tasks  # noqa: E402
+from harnessrl.rollout.evaluators import get_evaluator  # noqa: E402
+from harnessrl.rollout.local import LocalLauncher, LocalLauncherConfig, parse_command  # noqa: E402
+from harnessrl.rollout.metrics import MetricsLog, plot_rewards, read_metrics  # noqa: E402
+from harnessrl.rollout.round import RoundResult, plan_round, run_round, sample_tasks  # noqa: E402
+from harnessrl.rollout.services import SidecarProcess, copy_model, load_policy  # noqa: E402
+from harnessrl.rollout.tasks import Launcher, Task, load_tasks  # noqa: E402
+from harnessrl.serve.app import ServerHandle, start_server  # noqa: E402
+from harnessrl.traces import open_store  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything the loop touches, built once by `setup` and closed by `teardown`."""
+
+    cfg: TrainConfig
+    out: Path
+    store: Any
+    learner: Learner
+    server: ServerHandle
+    sidecar: SidecarProcess
+    launcher: Launcher
+    log: MetricsLog
+    train_tasks: list[Task]
+    eval_tasks: list[Task]
+    tokenizer: Any
+    nonce: str  # distinguishes this process's rollout ids from an interrupted run's
+    position: dict[str, Any]  # resume bookkeeping saved with each checkpoint
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    minutes_before: float = 0.0  # wall minutes of interrupted attempts before this one
+
+
+# ---- tasks, launcher, services -------------------------------------------------------------------
+
+
+def load_task_sets(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
+    r = cfg.rollout
+    if r.tasks == "builtin:addition":
+        return addition_tasks(r.num_train_tasks, r.num_eval_tasks, seed=cfg.run.seed)
+    if not r.eval_tasks:
+        raise ValueError(f"rollout.tasks={r.tasks!r} needs rollout.eval_tasks (a held-out JSONL)")
+    return load_tasks(r.tasks), load_tasks(r.eval_tasks)
+
+
+def harness_command(cfg: TrainConfig) -> tuple[str, ...]:
+    text = cfg.rollout.harness.replace("{examples}", str(EXAMPLES))
+    return tuple(part.replace("{python}", sys.executable) for part in parse_command(text))
+
+
+def make_launcher(cfg: TrainConfig) -> Launcher:
+    r = cfg.rollout
+    if r.launcher == "kubernetes":
+        from harnessrl.rollout.k8s import KubernetesLauncher, KubernetesLauncherConfig
+
+        image = os.environ.get("HARNESSRL_HARNESS_IMAGE", "")
+        return KubernetesLauncher(
+            KubernetesLauncherConfig(
+                image=image, command=harness_command(cfg), concurrency=r.concurrency
+            )
+        )
+    return LocalLauncher(
+        LocalLauncherConfig(
+            command=harness_command(cfg), concurrency=r.concurrency, kill_grace_s=r.kill_grace_s
+        )
+    )
+
+
+def setup(cfg: TrainConfig) -> Run:
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+    train_tasks, eval_tasks = load_task_sets(cfg)
+    get_evaluator(cfg.rollout.evaluator)  # fail on a bad name before anything starts
+    model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)
+    learner_cfg = cfg.learner
+    if learner_cfg.checkpoint_dir is None:
+        learner_cfg = learner_cfg.replace(checkpoint_dir=str((out / "checkpoints").absolute()))
+    server = start_server(copy_model(model), tokenizer, cfg.serve)
+    learner = Learner(model, learner_cfg)
+    store_url = f"sqlite:///{(out / 'traces.db').absolute()}"
+    store = open_store(store_url)
+    sidecar = SidecarProcess(
+        server.url, store_url, cfg.sidecar, out / "sidecar.log", cfg.serve.model_name
+    )
+    log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
+    position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
+    run = Run(
+        cfg, out, store, learner, server, sidecar, make_launcher(cfg), log, train_tasks,
+        eval_tasks, tokenizer, uuid.uuid4().hex[:6], position,
+    )  # fmt: skip
+    if cfg.run.resume and learner.checkpointer and learner.checkpointer.latest_step() is not None:
+        resume(run)
+    return run
+
+
+def resume(run: Run) -> None:
+    """Continue after the last checkpoint: learner state, loop position, and the served weights."""
+    position = run.learner.restore() or {}
+    run.position.update(position)
+    run.position["attempt"] = int(run.position.get("attempt", 0)) + 1
+    run.minutes_before = float(run.position.get("minutes", 0.0))
+    swap_weights(run)
+    run.log.console.print(
+        f"resumed from checkpoint at step {run.position['step']} (policy version {run.learner.step})"
+    )
+
+
+def teardown(run: Run) -> None:
+    if isinstance(run.launcher, LocalLauncher):
+        run.launcher.stop()
+    run.sidecar.stop()
+    run.server.stop()
+    run.learner.close()  # waits for an async checkpoint to be committed
+    run.store.close()
+    run.log.close()
+
+
+# ---- one step ------------------------------------------------------------------------------------
+
+
+def collect(run: Run, step: int) -> RoundResult:
+    """The step's rollouts: tasks_per_step tasks × group_size runs, scored and in the store."""
+    r = run.cfg.rollout
+    tasks = sample_tasks(run.train_tasks, r.tasks_per_step, run.cfg.run.seed, step)
+    specs = plan_round(
+        tasks,
+        prefix=f"s{step}-{run.nonce}",
+        runs_per_task=r.group_size,
+        base_url=run.sidecar.base_url,
+        timeout_s=r.timeout_s,
+        attempt=int(run.position["attempt"]),
+    )
+    return run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator))
+
+
+def step_traces(run: Run, rollouts: RoundResult) -> tuple[StepTraces, dict[str, float]]:
+    """The round's runs and calls; runs whose calls lag more than max_staleness are dropped."""
+    records = [rec for g in rollouts.group_ids for rec in run.store.rollouts(g)]
+    calls = {rec.rollout_id: run.store.calls(rec.rollout_id) for rec in records}
+    version, limit = run.learner.step, run.cfg.run.max_staleness
+    lags = [
+        version - c.policy_version
+        for cs in calls.values()
+        for c in cs
+        if c.policy_version is not None
+    ]
+    stale = {rid for rid, cs in calls.items() if any(c.policy_version is not None and version - c.policy_version > limit for c in cs)}  # fmt: skip
+    kept = [rec for rec in records if rec.rollout_id not in stale]
+    stats = {
+        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        "staleness_max": float(max(lags, default=0)),
+        "runs_stale": float(len(stale)),
+    }
+    return StepTraces(kept, {rec.rollout_id: calls[rec.rollout_id] for rec in kept}), stats
+
+
+def update(run: Run, step: int, rollouts: RoundResult) -> dict[str, Any]:
+    """Traces → packed micro-batches → one optimizer step; returns the step's metrics."""
+    traces, staleness = step_traces(run, rollouts)
+    batch = build_step(step, traces, run.cfg.data, decode=run.tokenizer.decode)
+    s = batch.stats
+    t0 = time.monotonic()
+    learner_metrics = run.learner.train_step(batch.micro_batches) if batch.micro_batches else {}
+    t_update = time.monotonic() - t0
+    calls = max(1, s.merge.calls)
+    return {
+        "step": step + 1,
+        "reward": rollouts.reward_mean(),
+        "pass_rate": rollouts.pass_rate,
+        "runs": len(rollouts.results),
+        "runs_failed": rollouts.failed,
+        "runs_timed_out": rollouts.timed_out,
+        "runs_trained": s.runs_trained,
+        "excluded": s.excluded,
+        "calls_per_run": rollouts.calls / max(1, len(rollouts.results)),
+        "seqs_per_run": s.merge.sequences / max(1, s.runs_trained),
+        "merge_break_rate": s.merge.breaks / calls,
+        "break_causes": s.break_causes,
+        "packing_efficiency": s.efficiency,
+        "micro_batches": s.micro_batches,
+        "trained_tokens": s.real_tokens,
+        "compiles": run.learner.compile_count + run.server.engine.compile_count,
+        "tokens_per_s": s.real_tokens / t_update if learner_metrics else 0.0,
+        "t_rollout": rollouts.duration_s,
+        "t_update": t_update,
+        **staleness,
+        **{f"learner_{k}": v for k, v in learner_metrics.items()},
+    }
+
+
+def swap_weights(run: Run) -> float:
+    """New weights into the server while the sidecar holds new calls; returns seconds taken."""
+    t0 = time.monotonic()
+    version = run.learner.step
+    run.sidecar.control("pause", {"drain_timeout_s": 120})
+    try:
+        run.server.engine.swap_params(run.learner.params_state(), version)
+        run.sidecar.control("policy_version", {"version": version})
+    finally:
+        run.sidecar.control("resume")
+    return time.monotonic() - t0
+
+
+def evaluate(run: Run, step: int) -> float:
+    """Held-out reward: every eval task, eval_runs_per_task runs, failed runs counted as 0."""
+    r = run.cfg.rollout
+    run.log.phase(f"eval at step {step}")
+    specs = plan_round(
+        run.eval_tasks,
+        prefix=f"e{step}-{run.nonce}",
+        runs_per_task=r.eval_runs_per_task,
+        base_url=run.sidecar.base_url,
+        timeout_s=r.timeout_s,
+        attempt=int(run.position["attempt"]),
+    )
+    result = run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator))
+    reward = result.reward_mean(failed_as=0.0)
+    run.log.log(
+        {
+            "step": step,
+            "eval_reward": reward,
+            "eval_pass_rate": result.pass_rate,
+            "eval_runs_failed": result.failed,
+            "t_eval": result.duration_s,
+        },
+        kind="eval",
+    )
+    return reward
+
+
+def checkpoint(run: Run, step: int, force: bool = False) -> None:
+    run.position["step"] = step
+    run.position["minutes"] = minutes(run)
+    ckpt = run.learner.checkpointer
+    due = force or step % run.cfg.learner.checkpoint_every == 0
+    if ckpt is not None and due and ckpt.latest_step() != run.learner.step:
+        run.learner.save(dict(run.position))
+
+
+def minutes(run: Run) -> float:
+    """Wall minutes of this run, interrupted attempts included."""
+    return run.minutes_before + (time.monotonic() - run.started) / 60
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+
+def train(run: Run) -> None:
+    """Steps from the resume point to run.steps; async overlaps the next rollouts with the update."""
+    cfg = run.cfg.run
+    if run.position["eval_start"] is None:
+        run.position["eval_start"] = evaluate(run, 0)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+    pending: Future[RoundResult] | None = None
+    try:
+        for step in range(int(run.position["step"]), cfg.steps):
+            run.log.phase(f"step {step + 1}: rollouts", completed=step)
+            rollouts = (pending or pool.submit(collect, run, step)).result()
+            pending = None
+            if cfg.loop == "async" and cfg.max_staleness > 0 and step + 1 < cfg.steps:
+                pending = pool.submit(collect, run, step + 1)  # runs while this step updates
+            run.log.phase(f"step {step + 1}: update")
+            metrics = update(run, step, rollouts)
+            run.log.phase(f"step {step + 1}: weight swap")
+            metrics["t_swap"] = swap_weights(run) if "learner_step" in metrics else 0.0
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                metrics["eval_reward"] = evaluate(run, step + 1)
+            run.log.log(metrics)
+            checkpoint(run, step + 1, force=step + 1 == cfg.steps)
+    finally:
+        if pending is not None and isinstance(run.launcher, LocalLauncher):
+            run.launcher.stop()  # an interrupted async step: its runs are abandoned
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def finish(run: Run) -> str:
+    """Export, plot, and the one-line summary."""
+    run.log.phase("export and plot", completed=run.cfg.run.steps)
+    if run.cfg.run.export_hf:
+        export.export_hf(run.learner.model(), run.out / "hf", run.tokenizer)
+    records = read_metrics(run.out / "metrics.jsonl")
+    plot_rewards(records, run.out / "reward.png")
+    evals = [r["eval_reward"] for r in records if r.get("kind") == "eval"]
+    start = run.position["eval_start"] if run.position["eval_start"] is not None else evals[0]
+    return (
+        f"train: eval_reward_start={start:.3f} eval_reward_end={evals[-1]:.3f} "
+        f"steps={run.cfg.run.steps} minutes={minutes(run):.1f}"
+    )
+
+
+def clear_outputs(out: Path) -> None:
+    """A fresh start: remove a previous run's outputs in out_dir (never anything else)."""
+    import shutil
+
+    for name in ("metrics.jsonl", "reward.png", "traces.db", "traces.db-wal", "traces.db-shm"):
+        (out / name).unlink(missing_ok=True)
+    for name in ("tb", "checkpoints", "hf"):
+        shutil.rmtree(out / name, ignore_errors=True)
+
+
+def has_checkpoint(cfg: TrainConfig) -> bool:
+    folder = Path(cfg.learner.checkpoint_dir or Path(cfg.run.out_dir) / "checkpoints")
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m harnessrl.train",
+        description=__doc__,
+        epilog="options (key=value, --key=value, or in --config YAML by section):\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file with one mapping per section")
+    parser.add_argument("--mesh", help="learner mesh: preset, data=2,fsdp=-1, or tpu_configs YAML")
+    parser.add_argument("--smoke", action="store_true", help="tiny random model, two steps (CI)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args, extra = parser.parse_known_args(argv)
+    overrides = [*args.overrides, *extra]
+    if args.mesh:
+        overrides.append(f"learner.mesh={args.mesh}")
+    try:
+        return load_config(args.config, overrides, smoke=args.smoke)
+    except ValueError as err:
+        parser.error(str(err))
+        raise  # parser.error exits; this keeps type checkers content
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _set_device_flags(argv)
+    cfg = parse_args(argv)
+    fresh = not (cfg.run.resume and has_checkpoint(cfg))
+    if fresh:
+        clear_outputs(Path(cfg.run.out_dir))
+    run = setup(cfg)
+    try:
+        train(run)
+        line = finish(run)
+    except KeyboardInterrupt:
+        run.log.console.print(
+            "interrupted: run the same command again to resume from the last checkpoint"
+        )
+        return 130
+    finally:
+        teardown(run)
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
