@@ -56,8 +56,16 @@ class SidecarSpec:
                 )
 
 
-def sidecar_container(spec: SidecarSpec) -> dict[str, Any]:
-    """The native sidecar: kubelet starts it before the harness and stops it after the harness exits."""
+ROLLOUT_FROM_ANNOTATION = f"metadata.annotations['{ROLLOUT_ANNOTATION}']"
+
+
+def sidecar_container(
+    spec: SidecarSpec, rollout_field: str = ROLLOUT_FROM_ANNOTATION
+) -> dict[str, Any]:
+    """The native sidecar: kubelet starts it before the harness and stops it after the harness exits.
+
+    `rollout_field` is the pod field (downward API) that names the rollout of plain /v1 calls.
+    """
     return {
         "name": SIDECAR_NAME,
         "image": spec.image,
@@ -74,9 +82,7 @@ def sidecar_container(spec: SidecarSpec) -> dict[str, Any]:
             {
                 # The default rollout for plain /v1 calls: one harness per pod.
                 "name": "HARNESSRL_ROLLOUT_ID",
-                "valueFrom": {
-                    "fieldRef": {"fieldPath": f"metadata.annotations['{ROLLOUT_ANNOTATION}']"}
-                },
+                "valueFrom": {"fieldRef": {"fieldPath": rollout_field}},
             },
         ],
         "ports": [{"name": "sidecar", "containerPort": spec.port, "protocol": "TCP"}],
@@ -121,18 +127,19 @@ def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
     if not isinstance(pod_spec, dict) or not isinstance(pod_spec.get("containers"), list):
         raise ValueError("pod has no spec.containers list")
     ops: list[dict[str, Any]] = []
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    # Without an explicit rollout id each pod is its own rollout, named after the pod (unique in
+    # its namespace; known only at run time for generateName pods, hence the downward API).
+    field = ROLLOUT_FROM_ANNOTATION if ROLLOUT_ANNOTATION in annotations else "metadata.name"
+    sidecar = sidecar_container(spec, field)
     inits = pod_spec.get("initContainers")
     if inits is None:
-        ops.append(
-            {"op": "add", "path": "/spec/initContainers", "value": [sidecar_container(spec)]}
-        )
+        ops.append({"op": "add", "path": "/spec/initContainers", "value": [sidecar]})
     elif not isinstance(inits, list):
         raise ValueError("pod spec.initContainers is not a list")
     elif not any(isinstance(c, dict) and c.get("name") == SIDECAR_NAME for c in inits):
         # First, so that the harness's own init containers can already reach the model.
-        ops.append(
-            {"op": "add", "path": "/spec/initContainers/0", "value": sidecar_container(spec)}
-        )
+        ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
     for i, container in enumerate(pod_spec["containers"]):
         if not isinstance(container, dict):
             raise ValueError(f"pod spec.containers[{i}] is not an object")

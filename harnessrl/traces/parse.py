@@ -71,10 +71,9 @@ def _choice(raw: dict[str, Any], logprobs: list[Any], text: str) -> Choice:
             f"choice {index} has {len(ids)} token ids but {len(logprobs)} logprobs; "
             "request logprobs of the sampled tokens"
         )
-    try:
-        lps = tuple(float(x) for x in logprobs)
-    except (TypeError, ValueError) as err:
-        raise CaptureError(f"choice {index} has a non-numeric logprob") from err
+    if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in logprobs):
+        raise CaptureError(f"choice {index} has a non-numeric logprob")
+    lps = tuple(float(x) for x in logprobs)
     finish = raw.get("finish_reason")
     return Choice(
         index=int(index) if isinstance(index, int) else 0,

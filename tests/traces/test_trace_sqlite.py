@@ -1,0 +1,78 @@
+"""SQLite specifics: WAL mode, durability settings, URL parsing, and a hard kill after commit."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from harnessrl.traces import open_store
+from harnessrl.traces.sqlite import SQLiteTraceStore
+
+
+def test_wal_and_synchronous_modes(tmp_path: pathlib.Path) -> None:
+    s = SQLiteTraceStore(tmp_path / "a.db", synchronous="FULL")
+    mode = s._conn.execute("PRAGMA journal_mode").fetchone()[0]
+    sync = s._conn.execute("PRAGMA synchronous").fetchone()[0]
+    assert (mode, sync) == ("wal", 2)
+    s.close()
+
+
+def test_constructor_and_url_errors(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="synchronous"):
+        SQLiteTraceStore(tmp_path / "a.db", synchronous="OFF")
+    with pytest.raises(ValueError, match="does not exist"):
+        SQLiteTraceStore(tmp_path / "missing" / "a.db")
+    with pytest.raises(ValueError, match="path"):
+        SQLiteTraceStore("")
+    with pytest.raises(ValueError, match="not supported"):
+        open_store("mysql://x")
+    with pytest.raises(ValueError, match="not supported"):
+        open_store("sqlite:///")
+    with pytest.raises(TypeError, match="url"):
+        open_store(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dsn"):
+        from harnessrl.traces.postgres import PostgresTraceStore
+
+        PostgresTraceStore("sqlite:///x")
+
+
+def test_memory_and_relative_urls(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mem = open_store("sqlite:///:memory:")
+    assert mem.count_calls() == 0
+    mem.close()
+    monkeypatch.chdir(tmp_path)
+    rel = open_store("sqlite:///rel.db")
+    assert os.path.abspath(rel.path) == str(tmp_path / "rel.db")
+    rel.close()
+
+
+_WRITER = """
+import os, sys, time
+from harnessrl.traces.sqlite import SQLiteTraceStore
+from harnessrl.traces.schema import CallRecord, EndpointKind
+s = SQLiteTraceStore(sys.argv[1])
+for i in range(50):
+    s.add_call(CallRecord("k", -1, 0.0, 0.0, EndpointKind.COMPLETIONS, {"i": i}, None, (1,), (), None, "u", 0.0, 200))
+    print(i, flush=True)
+time.sleep(60)
+"""
+
+
+def test_committed_calls_survive_kill_9(tmp_path: pathlib.Path) -> None:
+    db = tmp_path / "k.db"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    acknowledged = [proc.stdout.readline() for _ in range(50)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert acknowledged[-1].strip() == "49"
+    conn = sqlite3.connect(db)  # the WAL is recovered on open
+    assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 50
+    conn.close()
+    assert [c.request["i"] for c in SQLiteTraceStore(db).calls("k")] == list(range(50))
