@@ -111,6 +111,11 @@ def test_existing_init_containers_and_env_are_kept() -> None:
     _, ops = mutate(review)
     pod = apply_patch(review["request"]["object"], ops)
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [SIDECAR_NAME, "fetch-repo"]
+    sidecar_env = {e["name"]: e for e in pod["spec"]["initContainers"][0]["env"]}
+    # No rollout-id annotation: the pod is its own rollout, named after the pod.
+    assert (
+        sidecar_env["HARNESSRL_ROLLOUT_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    )
     coder, tools = pod["spec"]["containers"]
     coder_env = env_of(coder)
     assert coder_env["OPENAI_BASE_URL"] == f"http://127.0.0.1:{SPEC.port}/v1"  # redirected
