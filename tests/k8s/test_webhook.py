@@ -223,3 +223,24 @@ def test_webhook_serves_over_tls(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_main_builds_the_spec_from_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    from proxy_sidecar import webhook
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(app: Any, **kw: Any) -> None:
+        seen.update(kw, spec=app.state.spec)
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    webhook.main(
+        ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--port", "9443",
+         "--sidecar-image", "reg/x:1", "--upstream", "http://a:1,http://b:2", "--sidecar-port", "9090"]
+    )  # fmt: skip
+    assert (
+        seen["ssl_certfile"] == "c.pem" and seen["ssl_keyfile"] == "k.pem" and seen["port"] == 9443
+    )
+    assert seen["spec"] == SidecarSpec(image="reg/x:1", upstream="http://a:1,http://b:2", port=9090)
