@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_factory import GeneratedRun, agent_step, make_call, make_run
 
+from harnessrl.data.merge import merge_calls
+from harnessrl.data.pack import PackItem, pack_items, unpack_items
 from harnessrl.data.pipeline import (
     DataConfig,
     StepTraces,
@@ -16,6 +18,8 @@ from harnessrl.data.pipeline import (
     step_iterator,
     store_source,
 )
+from harnessrl.data.plan import Bucket
+from harnessrl.data.weights import token_weights
 from harnessrl.traces.schema import RolloutState
 
 SMALL = ((4, 16), (2, 32))  # forces splitting of the longer generated sequences
@@ -219,3 +223,22 @@ def test_sqlite_store_feeds_the_pipeline(tmp_path):
 def test_config_rejects_bad_values_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DataConfig(**kwargs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(agent_step())
+def test_unpacking_returns_the_merged_sequences_of_generated_rollouts(runs):
+    seqs = [s for g in runs for s in merge_calls(g.calls).sequences]
+    weights = token_weights(seqs, "run_mean")
+    items = [
+        PackItem(s.tokens, s.loss_mask, s.logprobs, w, 0.25)
+        for s, w in zip(seqs, weights, strict=True)
+    ]
+    packed = pack_items(items, [Bucket(4, 128), Bucket(2, 512)], 16)
+    for seq, w, back in zip(
+        seqs, weights, unpack_items(packed.batches, packed.placements), strict=True
+    ):
+        assert np.array_equal(back["tokens"], seq.tokens)
+        assert np.array_equal(back["loss_mask"] > 0, seq.loss_mask)
+        assert np.array_equal(back["behavior_logprobs"], seq.logprobs)
+        assert np.array_equal(back["token_weights"], w)
