@@ -115,9 +115,9 @@ def test_reference_kl_and_entropy_terms_change_loss_only_when_enabled():
 
 
 def test_bad_coefficients_are_rejected_with_their_values():
-    with pytest.raises(ValueError, match="tis_cap=1.1"):
+    with pytest.raises(ValueError, match=r"tis_cap=1\.1"):
         losses.make_token_loss(0.2, 0.28, 1.1, 0.0, 0.0)
-    with pytest.raises(ValueError, match="eps_low=1.5"):
+    with pytest.raises(ValueError, match=r"eps_low=1\.5"):
         losses.make_token_loss(1.5, 0.28, 2.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="kl_coef=-1"):
         losses.make_token_loss(0.2, 0.28, 2.0, -1, 0.0)

@@ -113,7 +113,7 @@ def test_slice_recipe_is_validated_against_visible_devices():
     assert cfg.platform == "cpu"
     mesh = mesh_lib.make_mesh("cpu")
     assert mesh.shape["data"] == jax.device_count()
-    with pytest.raises(ValueError, match="platform 'tpu'.*JAX sees \\['cpu'\\]"):
+    with pytest.raises(ValueError, match=r"platform 'tpu'.*JAX sees \['cpu'\]"):
         mesh_lib.load_slice_config("v5e-8")
     with pytest.raises(ValueError, match="platform 'gpu'"):
         mesh_lib.make_mesh("8xH100")
