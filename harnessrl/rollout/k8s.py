@@ -114,7 +114,10 @@ def _harness_container(spec: RunSpec, cfg: KubernetesLauncherConfig) -> dict[str
 
 
 def job_manifest(
-    spec: RunSpec, cfg: KubernetesLauncherConfig, batch: str = "dry-run"
+    spec: RunSpec,
+    cfg: KubernetesLauncherConfig,
+    batch: str = "dry-run",
+    policy_version: int | None = None,
 ) -> dict[str, Any]:
     """The Job for one run: harness container + native sidecar, task mounted from an annotation."""
     labels = {
@@ -131,13 +134,16 @@ def job_manifest(
         "harnessrl.io/group-id": spec.group_id,
         "harnessrl.io/attempt": str(spec.attempt),
     }
+    sidecar = sidecar_container(cfg.sidecar)
+    if policy_version is not None:  # every call of the run is recorded with the serving version
+        sidecar["args"] += ["--policy-version", str(policy_version)]
     # The task travels in the pod's own annotation (downward API file): no ConfigMap per run.
     task_ref = {"fieldPath": f"metadata.annotations['{TASK_ANNOTATION}']"}
     pod_spec = {
         "restartPolicy": "Never",
         "serviceAccountName": cfg.service_account,
         "automountServiceAccountToken": False,  # the harness never talks to the API server
-        "initContainers": [sidecar_container(cfg.sidecar)],
+        "initContainers": [sidecar],
         "containers": [_harness_container(spec, cfg)],
         "volumes": [
             {
@@ -229,6 +235,8 @@ class KubernetesLauncher:
         self._batch = client.BatchV1Api(self._api)
         self._core = client.CoreV1Api(self._api)
         self._next_create = 0.0
+        # The train loop sets this after each weight push; new Jobs' sidecars start with it.
+        self.policy_version: int | None = None
 
     def run(self, specs: list[RunSpec]) -> list[RunResult]:
         if not specs:
@@ -255,10 +263,27 @@ class KubernetesLauncher:
                 self._delete(name)
         return [results[s.rollout_id] for s in specs]
 
+    def sidecar_urls(self) -> list[str]:
+        """Sidecars of the runs in flight (`http://POD_IP:PORT`): their control API pauses calls
+        and sets the policy version around a weight push while runs continue (async loop)."""
+        resp = self._core.list_namespaced_pod(
+            self.config.namespace,
+            label_selector="app.kubernetes.io/managed-by=harnessrl",
+            _preload_content=False,
+            _request_timeout=30,
+        )
+        pods = json.loads(resp.data).get("items") or []
+        port = self.config.sidecar.port
+        return sorted(
+            f"http://{p['status']['podIP']}:{port}"
+            for p in pods
+            if (p.get("status") or {}).get("phase") == "Running" and p["status"].get("podIP")
+        )
+
     def _create(self, spec: RunSpec, batch: str) -> str | None:
         from kubernetes.client.exceptions import ApiException
 
-        body = job_manifest(spec, self.config, batch)
+        body = job_manifest(spec, self.config, batch, self.policy_version)
         for attempt in range(4):
             now = time.monotonic()
             time.sleep(max(0.0, self._next_create - now))

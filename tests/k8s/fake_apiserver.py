@@ -82,6 +82,7 @@ class FakeKube:
             job["metadata"].update(uid=str(uuid.uuid4()), namespace=ns, creationTimestamp=_now())
             job["status"] = {"active": 1, "startTime": _now()}
             self.jobs[name] = job
+            self._start_pod(name, job)
             self.created.append((time.monotonic(), body))
             self.max_alive = max(self.max_alive, sum(1 for j in self.jobs.values() if _alive(j)))
             self._emit("ADDED", job)
@@ -89,12 +90,30 @@ class FakeKube:
             threading.Timer(outcome.after_s, self._settle, (name, outcome)).start()
         return 201, job
 
+    def _start_pod(self, name: str, job: dict[str, Any]) -> None:
+        """The pod the Job controller would create, already Running (scheduling is instant)."""
+        pod_name = f"{name}-{uuid.uuid4().hex[:5]}"
+        self.pods[pod_name] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name,
+                "namespace": job["metadata"]["namespace"],
+                "creationTimestamp": _now(),
+                "labels": {**job["spec"]["template"]["metadata"]["labels"],
+                           "batch.kubernetes.io/job-name": name, "job-name": name},
+            },
+            "status": {"phase": "Running", "podIP": f"127.0.0.{len(self.pods) % 250 + 2}"},
+        }  # fmt: skip
+
     def _settle(self, name: str, outcome: Outcome) -> None:
         with self.cond:
             job = self.jobs.get(name)
             if job is None:  # deleted meanwhile
                 return
-            pod_name = f"{name}-{uuid.uuid4().hex[:5]}"
+            (pod_name,) = [
+                p for p, pod in self.pods.items() if pod["metadata"]["labels"]["job-name"] == name
+            ]
             term: dict[str, Any] = {"exitCode": outcome.exit_code, "reason": "Completed"}
             pod_status: dict[str, Any] = {"phase": "Succeeded"}
             cond = {"type": "Complete", "status": "True"}
@@ -122,17 +141,7 @@ class FakeKube:
                     "restartCount": 0,
                 }
             ]
-            self.pods[pod_name] = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": pod_name,
-                    "namespace": job["metadata"]["namespace"],
-                    "creationTimestamp": _now(),
-                    "labels": {"batch.kubernetes.io/job-name": name, "job-name": name},
-                },
-                "status": pod_status,
-            }
+            self.pods[pod_name]["status"] = pod_status
             self.logs[pod_name] = outcome.log
             job["status"] = {"conditions": [cond], "startTime": job["status"]["startTime"]}
             job["status"]["succeeded" if cond["type"] == "Complete" else "failed"] = 1

@@ -9,6 +9,7 @@ import importlib.util
 import itertools
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ def test_create_watch_complete_and_delete() -> None:
         s.rollout_id: fake.Outcome("complete", 0.05 * i, log="3\n") for i, s in enumerate(specs)
     }
     with fake.FakeKube(by_rollout(outcomes)) as kube:
-        results = launcher(kube).run(specs)
+        lz = launcher(kube)
+        lz.policy_version = 4  # set by the train loop after a weight push
+        results = lz.run(specs)
         assert [r.rollout_id for r in results] == [s.rollout_id for s in specs]
         assert all(r.state is RolloutState.SUCCEEDED for r in results)
         assert [(r.exit_code, r.output, r.stdout) for r in results] == [(0, "3", "3\n")] * 3
@@ -85,6 +88,10 @@ def test_create_watch_complete_and_delete() -> None:
     kubernetes_validate.validate(body, "1.33", strict=True)
     assert body["metadata"]["labels"]["harnessrl.io/group"] == "g-sum-3"
     assert body["metadata"]["labels"]["harnessrl.io/task"] == "sum-3"
+    assert body["spec"]["template"]["spec"]["initContainers"][0]["args"][-2:] == [
+        "--policy-version",
+        "4",
+    ]
 
 
 def test_job_manifest_wires_sidecar_env_task_and_limits() -> None:
@@ -203,6 +210,23 @@ def test_interrupted_run_deletes_its_live_jobs() -> None:
         with pytest.raises(KeyboardInterrupt):
             lz.run(specs)
         assert sorted(kube.deleted) == sorted(job_name(s.rollout_id) for s in specs)
+
+
+def test_sidecar_urls_of_runs_in_flight() -> None:
+    specs = [spec(0, timeout_s=3), spec(1, timeout_s=3)]
+    with fake.FakeKube(lambda job: fake.Outcome("hang")) as kube:
+        lz = launcher(kube)
+        worker = threading.Thread(target=lz.run, args=(specs,))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while len(urls := lz.sidecar_urls()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+        assert len(urls) == 2 and all(
+            u.startswith("http://127.0.0.") and u.endswith(":8080") for u in urls
+        )
+        assert lz.sidecar_urls() == []  # the timed-out Jobs and their pods are gone
 
 
 def test_names_and_labels_are_valid_for_any_id() -> None:
