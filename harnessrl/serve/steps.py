@@ -30,8 +30,13 @@ class DeviceSteps:
         self.config = config
         self.vocab_size = cfg.vocab_size
         # Params are swappable; the rest (RoPE tables) is fixed for the life of the engine.
-        self.graphdef, self.state, rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, state, rest = nnx.split(model, nnx.Param, ...)
         self._rest = jax.tree.map(jnp.asarray, rest)
+        # Commit every device input to an explicit placement: jit keys its executables on
+        # committed-ness too, and jit outputs (the cache after a step, swapped params) are committed.
+        self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+        device = jax.tree.leaves(self.state)[0].sharding
+        device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
         shape = (
             cfg.num_layers,
             config.num_slots,
@@ -41,10 +46,10 @@ class DeviceSteps:
         )
         # Two separate buffers: the cache is donated, and one buffer may not be donated twice.
         self.cache = KVCache(
-            k_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
-            v_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
+            k_lbske=jax.device_put(jnp.zeros(shape, cfg.compute_jnp_dtype), device),
+            v_lbske=jax.device_put(jnp.zeros(shape, cfg.compute_jnp_dtype), device),
         )
-        self.compile_count = 0
+        self.traces = 0
         self._decode = jax.jit(self._counted(self._decode_fn), donate_argnums=(1,))
         self._prefill = jax.jit(self._counted(self._prefill_fn), donate_argnums=(1,))
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
@@ -52,10 +57,19 @@ class DeviceSteps:
 
     def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def traced(*args: Any) -> Any:
-            self.compile_count += 1  # runs only while jax traces, i.e. once per compiled program
+            self.traces += 1  # runs only while jax traces
             return fn(*args)
 
         return traced
+
+    @property
+    def compile_count(self) -> int:
+        """Executables compiled so far. A new input placement compiles without retracing, so
+        this counts jit's executable caches (falling back to traces if jax lacks the hook)."""
+        programs = (self._decode, self._prefill, self._copy, self._first)
+        if all(hasattr(p, "_cache_size") for p in programs):
+            return sum(p._cache_size() for p in programs)
+        return self.traces
 
     # ---- traced functions -------------------------------------------------------------------
 

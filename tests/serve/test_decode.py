@@ -154,7 +154,7 @@ def test_compile_count_constant_through_200_mixed_requests(served):
     ):
         batch = jobs[start:stop]
         with ThreadPoolExecutor(width) as pool:
-            for (prompt, params, max_tokens), got in zip(
+            for (_, _, max_tokens), got in zip(
                 batch, pool.map(lambda j: generate(engine, *j), batch), strict=True
             ):
                 assert all(
@@ -221,7 +221,7 @@ def test_cancel_frees_slots(served):
 
 
 def test_bad_arguments_are_rejected(served):
-    model, engine = served
+    _, engine = served
     with pytest.raises(ValueError, match="does not fit max_model_len=96"):
         engine.submit([1] * 90, SamplingParams(), 10, lambda evs: None)
     with pytest.raises(ValueError, match="missing"):
