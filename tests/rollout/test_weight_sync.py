@@ -221,7 +221,7 @@ def test_real_vllm_reload_switches_greedy_outputs(tmp_path: Path) -> None:
     )
     convert = [str(VLLM_PY), str(ROOT / "tests/k8s/gguf_to_hf.py"), str(gguf)]
     # Converted folders are cached inside the vLLM environment (ignored by git): minutes each.
-    cache = Path(str(VLLM_PY)).resolve().parent.parent / "harnessrl-cache"
+    cache = Path(str(VLLM_PY)).absolute().parent.parent / "harnessrl-cache"
     hf_a, hf_b = cache / "smollm2-a", cache / "smollm2-b-layer3x4"
     if not (hf_a / "config.json").is_file():
         subprocess.run([*convert, str(hf_a)], check=True, capture_output=True, timeout=1200)
