@@ -27,7 +27,7 @@ def _group(tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     items, signs = [], []
     for text, adv in [(t, 1.0) for t in GOOD] + [(t, -1.0) for t in BAD]:
-        completion = tokenizer.encode(text) + [tokenizer.eos_token_ids[0]]
+        completion = [*tokenizer.encode(text), tokenizer.eos_token_ids[0]]
         tokens = np.asarray(prompt + completion, np.int32)
         mask = np.zeros(len(tokens), bool)
         mask[len(prompt) :] = True
