@@ -21,10 +21,10 @@ MASK_VALUE = -1e30
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32 whatever the compute dtype (as HF does)."""
-    x32 = x.astype(jnp.float32)
+    """RMSNorm in (at least) float32 whatever the compute dtype (as HF does)."""
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return x32 * w.astype(jnp.float32)
+    return x32 * w.astype(x32.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -57,8 +57,8 @@ def rope_tables(positions_bt: jax.Array, inv_freq_e2: np.ndarray) -> tuple[jax.A
 
 
 def apply_rope(x_bthe: jax.Array, cos_bte: jax.Array, sin_bte: jax.Array) -> jax.Array:
-    """Rotate pairs (i, i + head_dim/2) by the position angle; computed in float32."""
-    x32 = x_bthe.astype(jnp.float32)
+    """Rotate pairs (i, i + head_dim/2) by the position angle; computed in (at least) float32."""
+    x32 = x_bthe.astype(jnp.promote_types(x_bthe.dtype, jnp.float32))
     half = x32.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     out = x32 * cos_bte[:, :, None, :] + rotated * sin_bte[:, :, None, :]
@@ -89,8 +89,9 @@ def attend(
     b, t, h, e = q_bthe.shape
     kv_heads = k_bske.shape[2]
     q_btkge = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
+    acc = jnp.promote_types(q_bthe.dtype, jnp.float32)
     scores_bkgts = jnp.einsum(
-        "btkge,bske->bkgts", q_btkge, k_bske, preferred_element_type=jnp.float32
+        "btkge,bske->bkgts", q_btkge, k_bske, preferred_element_type=acc
     ) / math.sqrt(e)
     scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, MASK_VALUE)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bske.dtype)

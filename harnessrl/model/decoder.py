@@ -188,7 +188,6 @@ class Decoder(nnx.Module):
             if not cfg.tie_word_embeddings:
                 head = _param(rngs, (d, v), ("embed", "vocab"), dt, "normal")
             self.lm_head_dv = nnx.data(head)
-        self._inv_freq_e2 = attn.rope_inv_freq(cfg)
 
     def __call__(
         self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None = None
@@ -197,7 +196,7 @@ class Decoder(nnx.Module):
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
         mask_btt = attn.segment_causal_mask(segment_ids_bt)
-        cos_bte, sin_bte = attn.rope_tables(positions_bt, self._inv_freq_e2)
+        cos_bte, sin_bte = attn.rope_tables(positions_bt, attn.rope_inv_freq(cfg))
 
         def layer(x_btd: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
@@ -219,7 +218,7 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"tokens have {b} rows but the cache has {cache.k_lbske.shape[1]} slots"
             )
-        cos_bte, sin_bte = attn.rope_tables(positions_bt, self._inv_freq_e2)
+        cos_bte, sin_bte = attn.rope_tables(positions_bt, attn.rope_inv_freq(cfg))
         mask_bts = attn.cache_mask(positions_bt, cache.max_len)
         # Position -1 (padding) becomes an out-of-range index, which the scatter drops.
         write_bt = jnp.where(positions_bt >= 0, positions_bt, cache.max_len)
@@ -254,6 +253,6 @@ class Decoder(nnx.Module):
             "btd,dv->btv",
             h_btd,
             head_dv.astype(cfg.compute_jnp_dtype),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=jnp.promote_types(h_btd.dtype, jnp.float32),
         )
         return constrain(logits_btv, ("batch", "length", "vocab"))
