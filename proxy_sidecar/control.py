@@ -166,9 +166,14 @@ class ControlEndpoint:
         state = self.state
         if self.action == "pause":
             state.pause()
-            timeout = body.get("drain_timeout_s", 0)
-            if timeout:
-                await state.drain(float(_number(body, "drain_timeout_s")))
+            if body.get("drain_timeout_s") is not None:
+                timeout = _number(body, "drain_timeout_s")
+                if not 0 <= timeout <= 3600:
+                    raise BadRequest(
+                        f"'drain_timeout_s' must be in [0, 3600], got {timeout!r}",
+                        param="drain_timeout_s",
+                    )
+                await state.drain(float(timeout))
         elif self.action == "resume":
             state.resume()
         elif self.action == "policy_version":

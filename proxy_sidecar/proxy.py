@@ -16,7 +16,14 @@ import orjson
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
 from proxy_sidecar.control import Receive, Scope, Send, SidecarState
-from proxy_sidecar.errors import BadRequest, BodyTooLarge, SidecarError, Unavailable, send_error
+from proxy_sidecar.errors import (
+    BadRequest,
+    BodyTooLarge,
+    NoUpstream,
+    SidecarError,
+    Unavailable,
+    send_error,
+)
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
 
 # Never forwarded: connection-level headers, the length we recompute, and compression (the
@@ -196,7 +203,7 @@ class ProxyEndpoint:
             self.state.metrics.upstream_errors.labels("read").inc()
             record = build_record(status=502, body=None, error=f"upstream: {err}", **common)
             await self._store(record, stream=False)
-            await send_error(send, Unavailable(f"upstream failed while answering: {err}"))
+            await send_error(send, NoUpstream(f"upstream failed while answering: {err}"))
             return
         record = build_record(status=resp.status, body=decode_body(raw), **common)
         if await self._store(record, stream=False) is None:

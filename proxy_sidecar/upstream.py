@@ -26,9 +26,25 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 class UpstreamFailure(Exception):
     """Transport failure talking to one upstream (connect, reset, timeout)."""
 
-    def __init__(self, message: str, *, timeout: bool = False) -> None:
+    def __init__(self, message: str, *, timeout: bool = False, stale: bool = False) -> None:
         super().__init__(message)
         self.timeout = timeout
+        self.stale = stale  # a pooled keep-alive connection the server had already closed
+
+
+def _is_stale(err: BaseException) -> bool:
+    """A reused connection died under the request: the server closed it while idle (its
+    keep-alive ran out). Not a sign of an unhealthy server; a fresh connection will do."""
+    if isinstance(err, aiohttp.ClientConnectorError):
+        return False  # could not connect at all
+    return isinstance(
+        err,
+        aiohttp.ServerDisconnectedError
+        | aiohttp.ClientOSError
+        | httpx.RemoteProtocolError
+        | httpx.WriteError
+        | httpx.ReadError,
+    )
 
 
 @dataclass
@@ -104,11 +120,14 @@ class UpstreamPool:
         self.retries = retries
         self.eject_s = eject_s
         self._client: Any = None
+        self.stale_retries = 0
 
     async def start(self) -> None:
         if self.client_kind == "aiohttp":
             self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                # Idle connections are dropped before common servers' 5 s keep-alive (uvicorn,
+                # so vLLM) closes them, which keeps stale-connection races rare.
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
                 ),
@@ -120,7 +139,9 @@ class UpstreamPool:
                 timeout=httpx.Timeout(
                     connect=self.connect_timeout_s, read=self.read_timeout_s, write=60, pool=None
                 ),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=1024, keepalive_expiry=4
+                ),
             )
 
     async def close(self) -> None:
@@ -160,7 +181,13 @@ class UpstreamPool:
         tries = self.candidates(rollout_id)[: self.retries + 1]
         for i, upstream in enumerate(tries):
             try:
-                resp = await self._send(upstream.url + path, method, headers, body)
+                try:
+                    resp = await self._send(upstream.url + path, method, headers, body)
+                except UpstreamFailure as err:
+                    if not err.stale:
+                        raise
+                    self.stale_retries += 1
+                    resp = await self._send(upstream.url + path, method, headers, body)
             except UpstreamFailure as err:
                 self.eject(upstream)
                 last, timed_out = f"{upstream.url}: {err}", err.timeout
@@ -191,4 +218,6 @@ class UpstreamPool:
             return UpstreamResponse(resp.status_code, list(resp.headers.raw), resp)
         except (TimeoutError, aiohttp.ClientError, httpx.TransportError, OSError) as err:
             timeout = isinstance(err, asyncio.TimeoutError | httpx.TimeoutException)
-            raise UpstreamFailure(f"{type(err).__name__}: {err}", timeout=timeout) from err
+            raise UpstreamFailure(
+                f"{type(err).__name__}: {err}", timeout=timeout, stale=_is_stale(err)
+            ) from err

@@ -17,7 +17,6 @@ import os
 import shutil
 import socket
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,17 +48,37 @@ def upstream_bodies() -> tuple[bytes, bytes]:
         "token_ids": COMPLETION,
     }
     usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": len(COMPLETION)}
-    full = {**head, "object": "chat.completion", "choices": [choice], "usage": usage,
-            "prompt_token_ids": PROMPT_IDS}
+    full = {
+        **head,
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": usage,
+        "prompt_token_ids": PROMPT_IDS,
+    }
     chunk = {**head, "object": "chat.completion.chunk"}
-    events = [{**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
-               "prompt_token_ids": PROMPT_IDS}]
+    events = [
+        {
+            **chunk,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            "prompt_token_ids": PROMPT_IDS,
+        }
+    ]
     for i, tid in enumerate(COMPLETION):
         last = i == len(COMPLETION) - 1
-        events.append({**chunk, "choices": [{
-            "index": 0, "delta": {"content": content[i]["token"]},
-            "logprobs": {"content": [content[i]]}, "token_ids": [tid],
-            "finish_reason": "length" if last else None}]})
+        events.append(
+            {
+                **chunk,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": content[i]["token"]},
+                        "logprobs": {"content": [content[i]]},
+                        "token_ids": [tid],
+                        "finish_reason": "length" if last else None,
+                    }
+                ],
+            }
+        )
     sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
     return orjson.dumps(full), sse
 
@@ -81,8 +100,10 @@ def serve_upstream(port: int) -> None:
             if not msg.get("more_body"):
                 break
         stream = b'"stream":true' in body
-        headers = [(b"content-type", b"text/event-stream" if stream else b"application/json"),
-                   (b"x-harnessrl-policy-version", b"3")]
+        headers = [
+            (b"content-type", b"text/event-stream" if stream else b"application/json"),
+            (b"x-harnessrl-policy-version", b"3"),
+        ]
         if not stream:
             headers.append((b"content-length", str(len(full)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -93,8 +114,16 @@ def serve_upstream(port: int) -> None:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                loop="uvloop", http="httptools", lifespan="off")
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+    )
 
 
 def free_port() -> int:
@@ -125,9 +154,17 @@ class Target:
     lat: dict[str, list[float]] = field(default_factory=dict)
 
 
-async def run_clients(target: Target, label: str, clients: int, per_client: int, stream: bool) -> None:
-    body = orjson.dumps({"model": "smol", "messages": [{"role": "user", "content": "Count to 3."}],
-                         "max_tokens": 16, "stream": stream})
+async def run_clients(
+    target: Target, label: str, clients: int, per_client: int, stream: bool
+) -> None:
+    body = orjson.dumps(
+        {
+            "model": "smol",
+            "messages": [{"role": "user", "content": "Count to 3."}],
+            "max_tokens": 16,
+            "stream": stream,
+        }
+    )
     url = target.base + "/chat/completions"
     headers = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
     lat: list[float] = []
@@ -160,8 +197,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def start_litellm(upstream: str, tmp: str) -> tuple[subprocess.Popen[bytes] | None, str, str]:
@@ -170,27 +211,60 @@ def start_litellm(upstream: str, tmp: str) -> tuple[subprocess.Popen[bytes] | No
         return None, "", "litellm not installed (pip install -e '.[bench]')"
     cfg = os.path.join(tmp, "litellm.yaml")
     with open(cfg, "w") as f:
-        f.write("model_list:\n  - model_name: smol\n    litellm_params:\n"
-                f"      model: openai/smol\n      api_base: {upstream}/v1\n      api_key: x\n")
+        f.write(
+            "model_list:\n  - model_name: smol\n    litellm_params:\n"
+            f"      model: openai/smol\n      api_base: {upstream}/v1\n      api_key: x\n"
+        )
     port = free_port()
-    proc = spawn([exe, "--config", cfg, "--port", str(port), "--host", "127.0.0.1",
-                  "--num_workers", "1", "--telemetry", "False"],
-                 env={"LITELLM_LOG": "ERROR", "DISABLE_ADMIN_UI": "True", "LITELLM_MASTER_KEY": API_KEY})
+    proc = spawn(
+        [
+            exe,
+            "--config",
+            cfg,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num_workers",
+            "1",
+            "--telemetry",
+            "False",
+        ],
+        env={"LITELLM_LOG": "ERROR", "DISABLE_ADMIN_UI": "True", "LITELLM_MASTER_KEY": API_KEY},
+    )
     return proc, f"http://127.0.0.1:{port}", ""
 
 
 async def measure(args: argparse.Namespace, tmp: str) -> int:
     up_port = free_port()
-    procs = [spawn([sys.executable, "-m", "harnessrl.benchmarks.sidecar", "--serve-upstream", str(up_port)])]
+    procs = [
+        spawn(
+            [sys.executable, "-m", "harnessrl.benchmarks.sidecar", "--serve-upstream", str(up_port)]
+        )
+    ]
     upstream = f"http://127.0.0.1:{up_port}"
     targets = [Target("direct", upstream + "/v1")]
     dbs = {}
     for client in ("aiohttp", "httpx"):
         port = free_port()
         dbs[client] = os.path.join(tmp, f"{client}.db")
-        procs.append(spawn([sys.executable, "-m", "proxy_sidecar", "--upstream", upstream,
-                            "--store", f"sqlite:///{dbs[client]}", "--port", str(port),
-                            "--client", client]))
+        procs.append(
+            spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "proxy_sidecar",
+                    "--upstream",
+                    upstream,
+                    "--store",
+                    f"sqlite:///{dbs[client]}",
+                    "--port",
+                    str(port),
+                    "--client",
+                    client,
+                ]
+            )
+        )
         targets.append(Target(f"sidecar[{client}]", f"http://127.0.0.1:{port}/v1"))
     lite, lite_url, why_not = start_litellm(upstream, tmp)
     try:
@@ -204,8 +278,12 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
             except RuntimeError as err:
                 why_not = f"litellm proxy did not start: {err}"
         scale = 0.25 if args.quick else 1.0
-        scenarios = [("c1", 1, 400, False), ("c1-stream", 1, 200, True),
-                     ("c32", 32, 25, False), ("c32-stream", 32, 12, True)]
+        scenarios = [
+            ("c1", 1, 400, False),
+            ("c1-stream", 1, 200, True),
+            ("c32", 32, 25, False),
+            ("c32-stream", 32, 12, True),
+        ]
         for label, clients, per, stream in scenarios:
             for t in targets:
                 n = max(4, int(per * scale * (0.4 if t.name == "litellm" else 1.0)))
@@ -222,24 +300,34 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
 
 def report(targets: list[Target], dbs: dict[str, str], why_not: str) -> int:
     direct = targets[0]
-    print(f"{'scenario':<11} {'target':<16} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}")
+    print(
+        f"{'scenario':<11} {'target':<16} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
+    )
     for label in direct.lat:
         d50, d99 = pct(direct.lat[label], 0.5), pct(direct.lat[label], 0.99)
         for t in targets:
             v = t.lat[label]
             p50, p99 = pct(v, 0.5), pct(v, 0.99)
-            print(f"{label:<11} {t.name:<16} {len(v):>5} {p50:>8.3f} {p99:>8.3f} {p50 - d50:>8.3f} {p99 - d99:>8.3f}")
+            print(
+                f"{label:<11} {t.name:<16} {len(v):>5} {p50:>8.3f} {p99:>8.3f} {p50 - d50:>8.3f} {p99 - d99:>8.3f}"
+            )
     lost = 0
     for client, db in dbs.items():
-        stored = sqlite3.connect(db).execute("SELECT COUNT(*) FROM calls WHERE status = 200").fetchone()[0]
+        stored = (
+            sqlite3.connect(db)
+            .execute("SELECT COUNT(*) FROM calls WHERE status = 200")
+            .fetchone()[0]
+        )
         sent = next(t.ok for t in targets if t.name == f"sidecar[{client}]")
         lost += max(0, sent - stored)
         print(f"sidecar[{client}]: {sent} responses received, {stored} calls stored")
     base = pct(direct.lat["c1"], 0.5)
     ours = {t.name: pct(t.lat["c1"], 0.5) - base for t in targets}
     fastest = min(("aiohttp", "httpx"), key=lambda c: ours[f"sidecar[{c}]"])
-    print(f"upstream client: aiohttp +{ours['sidecar[aiohttp]']:.3f} ms, httpx "
-          f"+{ours['sidecar[httpx]']:.3f} ms at p50 (one client); faster: {fastest}")
+    print(
+        f"upstream client: aiohttp +{ours['sidecar[aiohttp]']:.3f} ms, httpx "
+        f"+{ours['sidecar[httpx]']:.3f} ms at p50 (one client); faster: {fastest}"
+    )
     side = next(t for t in targets if t.name == "sidecar[aiohttp]")
     over50 = ours["sidecar[aiohttp]"]
     over99 = pct(side.lat["c1"], 0.99) - pct(direct.lat["c1"], 0.99)
@@ -248,8 +336,10 @@ def report(targets: list[Target], dbs: dict[str, str], why_not: str) -> int:
     else:
         ratio = "na"
         print(f"litellm: not measured ({why_not})")
-    print(f"sidecar: overhead_p50_ms={over50:.3f} overhead_p99_ms={over99:.3f} "
-          f"litellm_overhead_ratio={ratio} lost={lost}")
+    print(
+        f"sidecar: overhead_p50_ms={over50:.3f} overhead_p99_ms={over99:.3f} "
+        f"litellm_overhead_ratio={ratio} lost={lost}"
+    )
     return 0 if lost == 0 else 1
 
 

@@ -139,8 +139,13 @@ class StreamAssembler:
         index = delta.get("index", 0)
         if not isinstance(index, int):
             raise CaptureError(f"stream choice index is not an integer: {index!r}")
-        acc = self.choices.setdefault(index, {"index": index, "token_ids": [], "lp": []})
-        acc["token_ids"].extend(delta.get("token_ids") or ())
+        # token_ids stays None unless the server sent some, so a server that ignores
+        # return_token_ids is reported as such instead of as a length mismatch.
+        acc = self.choices.setdefault(index, {"index": index, "token_ids": None, "lp": []})
+        if delta.get("token_ids") is not None:
+            if acc["token_ids"] is None:
+                acc["token_ids"] = []
+            acc["token_ids"].extend(delta["token_ids"])
         if delta.get("finish_reason") is not None:
             acc["finish_reason"] = delta["finish_reason"]
         if delta.get("stop_reason") is not None:

@@ -88,6 +88,7 @@ class SQLiteTraceStore(SQLStoreBase):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
         self._conn.execute("PRAGMA busy_timeout=30000")
+        self._conn.execute("PRAGMA journal_size_limit=67108864")  # WAL shrinks back to 64 MiB
         with self._transaction() as cur:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 cur.execute(statement)

@@ -11,11 +11,11 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "fixtures" / "vllm"))
 
-from fake_vllm import FakeVLLM, ServerThread  # noqa: E402
+from fake_vllm import FakeVLLM, ServerThread
 
-from harnessrl.traces.sqlite import SQLiteTraceStore  # noqa: E402
-from proxy_sidecar.app import build_app  # noqa: E402
-from proxy_sidecar.config import SidecarConfig  # noqa: E402
+from harnessrl.traces.sqlite import SQLiteTraceStore
+from proxy_sidecar.app import build_app
+from proxy_sidecar.config import SidecarConfig
 
 
 class Sidecar:
@@ -29,11 +29,24 @@ class Sidecar:
         return f"{self.url}/rollouts/{rollout}/v1"
 
 
-@pytest.fixture
-def fake() -> Iterator[tuple[FakeVLLM, ServerThread]]:
+@pytest.fixture(scope="module")
+def _fake_server() -> Iterator[tuple[FakeVLLM, ServerThread]]:
     upstream = FakeVLLM()
     with ServerThread(upstream.app) as server:
         yield upstream, server
+
+
+@pytest.fixture
+def fake(_fake_server: tuple[FakeVLLM, ServerThread]) -> tuple[FakeVLLM, ServerThread]:
+    """The module's fake upstream with its knobs back at their defaults."""
+    upstream = _fake_server[0]
+    upstream.policy_version = None
+    upstream.fail_statuses = []
+    upstream.delay_s = 0.0
+    upstream.drop_after_chunks = None
+    upstream.requests = []
+    upstream.honor_token_ids = True
+    return _fake_server
 
 
 @pytest.fixture
@@ -41,9 +54,10 @@ def make_sidecar(tmp_path: pathlib.Path) -> Iterator[Callable[..., Sidecar]]:
     servers: list[ServerThread] = []
     stores: list[SQLiteTraceStore] = []
 
-    def make(upstreams: tuple[str, ...], **kw: Any) -> Sidecar:
-        store = SQLiteTraceStore(tmp_path / f"traces{len(stores)}.db")
-        config = SidecarConfig(upstreams=upstreams, store="sqlite:///unused", log_calls=False, **kw)
+    def make(upstreams: tuple[str, ...], store: Any = None, **kw: Any) -> Sidecar:
+        store = store or SQLiteTraceStore(tmp_path / f"traces{len(stores)}.db")
+        kw.setdefault("log_calls", False)
+        config = SidecarConfig(upstreams=upstreams, store="sqlite:///unused", **kw)
         app = build_app(config, store=store)
         server = ServerThread(app).__enter__()
         servers.append(server)

@@ -46,11 +46,25 @@ def start_upstream(fixed: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
-def start_sidecar(upstream: str, db: pathlib.Path, *args: str, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_sidecar(
+    upstream: str, db: pathlib.Path, *args: str, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = port or free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy_sidecar", "--upstream", upstream, "--store", f"sqlite:///{db}", "--port", str(port), "--no-call-log", *args],
+        [
+            sys.executable,
+            "-m",
+            "proxy_sidecar",
+            "--upstream",
+            upstream,
+            "--store",
+            f"sqlite:///{db}",
+            "--port",
+            str(port),
+            "--no-call-log",
+            *args,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,

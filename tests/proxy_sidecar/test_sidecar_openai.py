@@ -42,7 +42,9 @@ def assert_matches_stream(rec: CallRecord, chunks: list[Any]) -> None:
     assert list(rec.prompt_token_ids) == chunks[0].prompt_token_ids
     for got in rec.choices:
         parts = [c for ch in chunks for c in ch.choices if c.index == got.index]
-        assert list(got.token_ids) == [t for c in parts for t in (getattr(c, "token_ids", None) or [])]
+        assert list(got.token_ids) == [
+            t for c in parts for t in (getattr(c, "token_ids", None) or [])
+        ]
         lps = [e.logprob for c in parts if c.logprobs for e in c.logprobs.content or []]
         assert list(got.logprobs) == lps
         assert got.finish_reason == [c.finish_reason for c in parts if c.finish_reason][-1]
@@ -54,7 +56,11 @@ def test_sync_sdk_chat_stream_tools_n2_and_completions(sidecar: Any) -> None:
     tools = client.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, n=2)
     stream = list(
         client.chat.completions.create(
-            model="smol", messages=MESSAGES, tools=TOOLS, n=2, stream=True,
+            model="smol",
+            messages=MESSAGES,
+            tools=TOOLS,
+            n=2,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -83,7 +89,9 @@ def test_async_sdk_concurrent_rollouts(sidecar: Any) -> None:
         chunks = [
             c
             async for c in await client.chat.completions.create(
-                model="smol", messages=[*MESSAGES, {"role": "assistant", "content": "ok"}], stream=True
+                model="smol",
+                messages=[*MESSAGES, {"role": "assistant", "content": "ok"}],
+                stream=True,
             )
         ]
         await client.close()
@@ -126,7 +134,9 @@ def test_recorded_vllm_exchanges_pass_byte_identical(sidecar: Any, row: dict[str
         return
     assert rec.ok, rec.error
     if row["request"].get("stream"):
-        events = [json.loads(b[6:]) for b in row["response_raw"].split("\n\n") if b.startswith("data: {")]
+        events = [
+            json.loads(b[6:]) for b in row["response_raw"].split("\n\n") if b.startswith("data: {")
+        ]
         ids = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
         assert list(rec.choices[0].token_ids) == ids
         return
@@ -134,7 +144,9 @@ def test_recorded_vllm_exchanges_pass_byte_identical(sidecar: Any, row: dict[str
     assert rec.response == body
     for got, want in zip(rec.choices, body["choices"], strict=True):
         assert list(got.token_ids) == want["token_ids"]
-        lps = want["logprobs"].get("token_logprobs") or [e["logprob"] for e in want["logprobs"]["content"]]
+        lps = want["logprobs"].get("token_logprobs") or [
+            e["logprob"] for e in want["logprobs"]["content"]
+        ]
         assert list(got.logprobs) == lps
     prompt = body.get("prompt_token_ids") or body["choices"][0]["prompt_token_ids"]
     assert list(rec.prompt_token_ids) == prompt

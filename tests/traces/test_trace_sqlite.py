@@ -66,7 +66,9 @@ time.sleep(60)
 
 def test_committed_calls_survive_kill_9(tmp_path: pathlib.Path) -> None:
     db = tmp_path / "k.db"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     acknowledged = [proc.stdout.readline() for _ in range(50)]
     os.kill(proc.pid, signal.SIGKILL)
@@ -76,3 +78,26 @@ def test_committed_calls_survive_kill_9(tmp_path: pathlib.Path) -> None:
     assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 50
     conn.close()
     assert [c.request["i"] for c in SQLiteTraceStore(db).calls("k")] == list(range(50))
+
+
+def test_background_checkpoint_keeps_the_wal_small(tmp_path: pathlib.Path) -> None:
+    import time
+
+    from harnessrl.traces.schema import CallRecord, EndpointKind
+
+    db = tmp_path / "c.db"
+    s = SQLiteTraceStore(db, background_checkpoint=True, checkpoint_interval_s=0.02)
+    big = {"blob": "x" * 100_000}
+    for _ in range(20):
+        s.add_call(
+            CallRecord("c", -1, 0.0, 0.0, EndpointKind.CHAT, big, None, (), (), None, "u", 0.0, 200)
+        )
+        time.sleep(0.06)
+    # Checkpointed frames are reused, so the WAL stays far below the 2 MB written.
+    s.add_call(
+        CallRecord("c", -1, 0.0, 0.0, EndpointKind.CHAT, {}, None, (), (), None, "u", 0.0, 200)
+    )
+    assert os.path.getsize(str(db) + "-wal") < 2_000_000
+    s.close()
+    with SQLiteTraceStore(db) as again:
+        assert again.count_calls("c") == 21

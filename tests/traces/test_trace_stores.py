@@ -162,3 +162,22 @@ def test_closed_store_refuses_use(store_url: str) -> None:
     s.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         s.calls("r1")
+
+
+def test_postgres_reconnects_after_a_dropped_connection(pg_dsn: str) -> None:
+    from harnessrl.traces.postgres import PostgresTraceStore
+
+    s = PostgresTraceStore(pg_dsn)
+    s.add_call(make_call())
+    s._conn.close()  # as if the server restarted between two calls
+    assert s.add_call(make_call()) == 1
+    s._conn.close()
+    assert s.count_calls() == 2
+    s.close()
+
+
+def test_reward_on_create_is_validated(store: Any) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        store.create_rollout(RolloutRecord("n", task_id="t", group_id="g", reward=math.inf))
+    store.create_rollout(RolloutRecord("n", task_id="t", group_id="g", reward=1))
+    assert store.rollout("n").reward == 1.0

@@ -1,0 +1,155 @@
+"""HTTP edge behaviour: limits, malformed input, unknown routes, health, metrics, the call log."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+CHAT = {
+    "model": "smol",
+    "messages": [{"role": "user", "content": "a secret prompt"}],
+    "max_tokens": 3,
+}
+
+
+def test_body_limit_gives_413_with_and_without_content_length(fake: Any, make_sidecar: Any) -> None:
+    sc = make_sidecar((fake[1].url,), max_body_bytes=1000)
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
+    r = httpx.post(sc.base("b") + "/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+    def chunks() -> Any:
+        for _ in range(4):
+            yield b" " * 400
+
+    r = httpx.post(sc.base("b") + "/chat/completions", content=chunks())
+    assert r.status_code == 413
+    assert httpx.post(sc.base("b") + "/chat/completions", json=CHAT).status_code == 200
+    assert sc.store.count_calls() == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "content", "status"),
+    [
+        ("POST", "/v1/chat/completions", b"{nope", 400),
+        ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+        ("POST", "/v1/completions", b"", 400),
+        ("POST", "/v1/embeddings", b"{}", 404),
+        ("GET", "/", b"", 404),
+        ("GET", "/v1/chat/completions", b"", 405),
+        ("DELETE", "/control/pause", b"", 405),
+        ("POST", "/rollouts/" + "r" * 300 + "/v1/chat/completions", json.dumps(CHAT).encode(), 400),
+        ("POST", "/rollouts/a%09b/v1/chat/completions", json.dumps(CHAT).encode(), 400),
+    ],
+)
+def test_bad_requests_get_openai_style_4xx(
+    sidecar: Any, method: str, path: str, content: bytes, status: int
+) -> None:
+    r = httpx.request(method, sidecar.url + path, content=content)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == status and isinstance(err["message"], str) and err["type"]
+    assert sidecar.store.count_calls() == 0
+
+
+def test_health_and_metrics(sidecar: Any) -> None:
+    health = httpx.get(sidecar.url + "/health").json()
+    assert health["status"] == "ok" and health["paused"] is False and len(health["upstreams"]) == 1
+    httpx.post(sidecar.base("m") + "/chat/completions", json=CHAT)
+    httpx.post(
+        sidecar.base("m") + "/completions", json={"model": "smol", "prompt": "x", "stream": True}
+    )
+    text = httpx.get(sidecar.url + "/metrics").text
+    assert 'sidecar_calls_total{route="chat",status="200"} 1.0' in text
+    assert 'sidecar_calls_total{route="completions",status="200"} 1.0' in text
+    assert 'sidecar_call_latency_seconds_count{route="chat"} 1.0' in text
+    assert "sidecar_in_flight 0.0" in text and "sidecar_store_write_seconds_count 2.0" in text
+
+
+def test_one_log_line_per_call_without_content(
+    fake: Any, make_sidecar: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    sc = make_sidecar((fake[1].url,), log_calls=True)
+    with caplog.at_level(logging.INFO, logger="proxy_sidecar.calls"):
+        httpx.post(sc.base("log") + "/chat/completions", json=CHAT)
+        httpx.post(sc.base("log") + "/chat/completions", json={**CHAT, "stream": True, "n": 2})
+    lines = [r.getMessage() for r in caplog.records if r.name == "proxy_sidecar.calls"]
+    assert len(lines) == 2
+    assert all("secret" not in line and " w" not in line for line in lines)
+    first, second = (json.loads(line) for line in lines)
+    assert first["rollout"] == "log" and first["seq"] == 0 and first["status"] == 200
+    assert first["completion_tokens"] == 3 and first["prompt_tokens"] > 0 and first["error"] is None
+    assert second["stream"] is True and second["choices"] == 2 and second["completion_tokens"] == 6
+
+
+def test_query_string_and_headers_reach_upstream(fake: Any, sidecar: Any) -> None:
+    r = httpx.post(
+        sidecar.base("h") + "/chat/completions?x=1", json=CHAT, headers={"x-trace": "abc"}
+    )
+    assert r.status_code == 200 and r.headers["x-fake-upstream"] == "1"
+    assert "content-length" in r.headers
+
+
+async def truncating_upstream(scope: Any, receive: Any, send: Any) -> None:
+    """Promises 100 bytes, sends 10, then dies: a server crashing mid-response."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", b"100"), (b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b'{"choices"', "more_body": True})
+    raise ConnectionAbortedError("upstream crashed mid-response")
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_upstream_dying_mid_body_gives_502_and_a_failed_record(
+    make_sidecar: Any, client: str
+) -> None:
+    from fake_vllm import ServerThread
+
+    with ServerThread(truncating_upstream) as up:
+        sc = make_sidecar((up.url,), client=client, retries=0)
+        r = httpx.post(sc.base("t") + "/chat/completions", json=CHAT)
+        assert r.status_code == 502 and "failed while answering" in r.json()["error"]["message"]
+        assert httpx.get(sc.base("t") + "/models").status_code == 502
+    (rec,) = sc.store.calls("t")
+    assert rec.status == 502 and rec.error.startswith("upstream:")
+
+
+def test_app_opens_and_closes_its_own_store(fake: Any, tmp_path: Any) -> None:
+    from fake_vllm import ServerThread
+
+    from harnessrl.traces.sqlite import SQLiteTraceStore
+    from proxy_sidecar.app import build_app
+    from proxy_sidecar.config import SidecarConfig
+
+    db = tmp_path / "own.db"
+    app = build_app(
+        SidecarConfig(
+            upstreams=(fake[1].url,), store=f"sqlite:///{db}", fsync=True, log_calls=False
+        )
+    )
+    with ServerThread(app) as sc:
+        assert httpx.post(sc.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    store = SQLiteTraceStore(db)
+    assert store.count_calls("default") == 1
+    store.close()
+
+
+def test_capture_helpers() -> None:
+    from proxy_sidecar.capture import decode_body, error_message
+
+    assert error_message({"error": {"message": "m"}}) == "m"
+    assert error_message({"message": "plain"}) == "plain"
+    assert error_message(None) == "non-JSON error body"
+    assert decode_body(b"<html>") is None and decode_body(b'{"a": 1}') == {"a": 1}
