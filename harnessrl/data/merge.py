@@ -80,26 +80,38 @@ class MergeResult:
     stats: MergeStats = field(default_factory=MergeStats)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: branches are removed from lists by object
 class _Branch:
-    """A sequence under construction. Token ids stay a tuple so that prefix checks against the
-    next prompt (also a tuple) run as one C-level comparison."""
+    """A sequence under construction. Its ids are always the latest call's prompt (`head`) plus
+    its completion (`tail`), both tuples as recorded, so checking whether the next prompt
+    extends it is two C-level comparisons and nothing is concatenated."""
 
-    tokens: tuple[int, ...]
+    head: tuple[int, ...]
+    tail: tuple[int, ...]
     token_parts: list[np.ndarray]  # the same ids as int64 pieces, each id converted only once
     mask_parts: list[np.ndarray]
     logprob_parts: list[np.ndarray]
     call_seqs: list[int]
     versions: list[int | None]  # aligned with call_seqs
-    last_prompt_len: int  # where the latest completion starts: a retry with this prompt replaces it
-    last_parts: int  # number of parts before the latest completion
+    last_parts: int  # index of the latest completion's part
+    version: int = 0  # bumped on every change, keys the cached id array
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def is_prefix_of(self, prompt: tuple[int, ...]) -> bool:
+        h, n = len(self.head), self.size
+        if n > len(prompt) or (n and prompt[n - 1] != (self.tail or self.head)[-1]):
+            return False  # cheap reject before the full comparisons
+        return prompt[:h] == self.head and prompt[h:n] == self.tail
 
     def array(self) -> np.ndarray:
-        """The ids as one int64 array, built once per version of `tokens`."""
+        """The ids as one int64 array, built once per version of the branch."""
         cached = self.__dict__.get("_cache")
-        if cached is None or cached[0] is not self.tokens:
+        if cached is None or cached[0] != self.version:
             parts = self.token_parts
-            cached = (self.tokens, np.concatenate(parts) if parts else np.zeros(0, np.int64))
+            cached = (self.version, np.concatenate(parts) if parts else np.zeros(0, np.int64))
             self.__dict__["_cache"] = cached
         return cached[1]
 
@@ -117,19 +129,19 @@ def _choice_arrays(call: CallRecord, index: int) -> tuple[tuple[int, ...], np.nd
 def _extend(
     branch: _Branch, call: CallRecord, completion: tuple[int, ...], lps: np.ndarray
 ) -> None:
-    start = len(branch.tokens)
+    start = branch.size
     prompt = call.prompt_token_ids
     delta = len(prompt) - start
-    branch.last_prompt_len = len(prompt)
-    branch.last_parts = len(branch.mask_parts)
     if delta:
         branch.token_parts.append(np.array(prompt[start:], dtype=np.int64))
         branch.mask_parts.append(np.zeros(delta, bool))
         branch.logprob_parts.append(np.zeros(delta, np.float32))
+    branch.last_parts = len(branch.mask_parts)  # a retry removes the parts from here on
     branch.token_parts.append(np.array(completion, dtype=np.int64))
     branch.mask_parts.append(np.ones(len(completion), bool))
     branch.logprob_parts.append(lps)
-    branch.tokens = tuple(prompt) + completion if delta else branch.tokens + completion
+    branch.head, branch.tail = tuple(prompt), completion
+    branch.version += 1
     branch.call_seqs.append(call.seq)
     branch.versions.append(call.policy_version)
 
@@ -137,22 +149,18 @@ def _extend(
 def _fork(branch: _Branch) -> _Branch:
     """Copy of a branch for choice k>0 of an n>1 call: the shared history is context (mask 0),
     so every sampled token stays trainable in exactly one sequence."""
-    n = len(branch.tokens)
+    n = branch.size
     lps = np.zeros(n, np.float32)
     calls, versions = list(branch.call_seqs), list(branch.versions)
     ids = [branch.array()]
-    return _Branch(branch.tokens, ids, [np.zeros(n, bool)], [lps], calls, versions, 0, 0)
+    return _Branch(branch.head, branch.tail, ids, [np.zeros(n, bool)], [lps], calls, versions, 0)
 
 
 def _retry(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch | None:
     """If `prompt` repeats the prompt of the latest call on some branch, that call was retried:
     drop its answers (every choice) and return the branch of its choice 0 to extend instead."""
     n = len(prompt)
-    hits = [
-        b
-        for b in branches
-        if b.last_prompt_len == n and len(b.tokens) > n and b.tokens[:n] == prompt
-    ]
+    hits = [b for b in branches if b.tail and len(b.head) == n and b.head == prompt]
     if not hits:
         return None
     latest = max(b.call_seqs[-1] for b in hits)
@@ -169,7 +177,8 @@ def _rewind(branch: _Branch) -> None:
     del branch.token_parts[branch.last_parts :]
     del branch.mask_parts[branch.last_parts :]
     del branch.logprob_parts[branch.last_parts :]
-    branch.tokens = branch.tokens[: sum(len(p) for p in branch.mask_parts)]
+    branch.tail = ()  # what is left is exactly the retried call's prompt, `head`
+    branch.version += 1
     branch.call_seqs.pop()
     branch.versions.pop()
 
@@ -177,20 +186,14 @@ def _rewind(branch: _Branch) -> None:
 def _find_extension(branches: list[_Branch], prompt: tuple[int, ...]) -> _Branch | None:
     best: _Branch | None = None
     for branch in branches:
-        n = len(branch.tokens)
-        if (
-            n <= len(prompt)
-            and (n == 0 or prompt[n - 1] == branch.tokens[-1])  # cheap reject first
-            and prompt[:n] == branch.tokens
-            and (best is None or n > len(best.tokens))
-        ):
+        if branch.is_prefix_of(prompt) and (best is None or branch.size > best.size):
             best = branch
     return best
 
 
 def _closest(branches: list[_Branch], new: np.ndarray) -> _Branch:
     def shared(branch: _Branch) -> int:
-        k = min(len(branch.tokens), len(new))
+        k = min(branch.size, len(new))
         diff = np.flatnonzero(branch.array()[:k] != new[:k])
         return int(diff[0]) if diff.size else k
 
@@ -241,7 +244,7 @@ def merge_calls(
                 diag = diagnose_break(closest.array(), new, closest.sampled_mask(), decode)
                 breaks.append(BreakDiagnosis(call.rollout_id, call.seq, *diag))
                 stats.breaks += 1
-            base = _Branch((), [], [], [], [], [], 0, 0)
+            base = _Branch((), (), [], [], [], [], [], 0)
             branches.append(base)
         targets = [base] + [_fork(base) for _ in chosen[1:]]
         branches.extend(targets[1:])

@@ -118,3 +118,12 @@ def test_retry_of_an_n2_call_drops_every_choice_of_the_superseded_call():
     result = merge_calls([c0, c1])
     assert result.stats.retries_deduped == 1
     assert [s.tokens.tolist() for s in result.sequences] == [[1, 2, 6]]
+
+
+def test_retry_of_an_n2_call_after_an_earlier_sequence():
+    c0 = make_call("r", 0, [1, 2], [[3]])
+    c1 = make_call("r", 1, [9, 8], [[7, 6], [5]])  # a new context, sampled twice
+    c2 = make_call("r", 2, [9, 8], [[4]])  # retried
+    result = merge_calls([c0, c1, c2])
+    assert [s.tokens.tolist() for s in result.sequences] == [[1, 2, 3], [9, 8, 4]]
+    assert result.stats.retries_deduped == 1
