@@ -34,6 +34,7 @@ from harnessrl.learner.params import (
     place,
     split_model,
 )
+from harnessrl.model import export
 
 BATCH_FIELDS: dict[str, Any] = {
     "tokens": np.int32,
@@ -290,11 +291,12 @@ class Learner:
         """A module holding a host copy of the current weights (serving, export, evaluation)."""
         return self.parts.merge(gather_to_host(self.params))
 
-    def export_hf(self, out_dir: str | Path) -> Path:
-        """Write the current weights as an HF safetensors folder (process 0 writes)."""
-        from harnessrl.model import export
+    def export_hf(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
+        """Write the current weights (and `tokenizer`, if given) as an HF safetensors folder.
 
+        Every process gathers the weights; process 0 writes.
+        """
         model = self.model()
         if jax.process_index() == 0:
-            export.export_hf(model, out_dir)
+            export.export_hf(model, out_dir, tokenizer=tokenizer)
         return Path(out_dir)

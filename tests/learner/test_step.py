@@ -100,3 +100,17 @@ def test_bf16_compute_and_remat_train_close_to_fp32():
     half = Learner(tiny_model(), LearnerConfig(param_dtype="bfloat16"))
     assert {x.dtype for x in jax.tree.leaves(half.params)} == {jnp.dtype(jnp.bfloat16)}
     assert np.isfinite(half.train_step(batches)["loss"])
+
+
+def test_export_hf_round_trips_the_trained_weights(tmp_path):
+    from harnessrl.model.load import load_model
+
+    learner = Learner(tiny_model(), LearnerConfig(learning_rate=1e-2))
+    learner.train_step(random_step(seed=9, count=8, buckets=((8, 64),)))
+    learner.export_hf(tmp_path / "hf")
+    reloaded = load_model(str(tmp_path / "hf"))
+    again = Learner(reloaded.model, LearnerConfig())
+    np.testing.assert_array_equal(flat(again.params), flat(learner.params))
+    assert not np.array_equal(
+        flat(again.params), flat(Learner(tiny_model(), LearnerConfig()).params)
+    )

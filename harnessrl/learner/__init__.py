@@ -1,0 +1,1 @@
+"""Learner stage: mesh and sharding rules, losses, optimizer, sharded train step, checkpoints."""
