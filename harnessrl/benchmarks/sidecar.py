@@ -188,7 +188,7 @@ async def run_clients(
             await one()
         lat.clear()
         await asyncio.gather(*(worker() for _ in range(clients)))
-    target.lat[label] = lat
+    target.lat.setdefault(label, []).extend(lat)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -235,7 +235,8 @@ def start_litellm(upstream: str, tmp: str) -> tuple[subprocess.Popen[bytes] | No
     return proc, f"http://127.0.0.1:{port}", ""
 
 
-async def measure(args: argparse.Namespace, tmp: str) -> int:
+def start_targets(tmp: str) -> tuple[list[subprocess.Popen[bytes]], list[Target], dict[str, str]]:
+    """The upstream and one sidecar per upstream client library, as processes."""
     up_port = free_port()
     procs = [
         spawn(
@@ -266,6 +267,12 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
             )
         )
         targets.append(Target(f"sidecar[{client}]", f"http://127.0.0.1:{port}/v1"))
+    return procs, targets, dbs
+
+
+async def measure(args: argparse.Namespace, tmp: str) -> int:
+    procs, targets, dbs = start_targets(tmp)
+    upstream = targets[0].base.removesuffix("/v1")
     lite, lite_url, why_not = start_litellm(upstream, tmp)
     try:
         await wait_ready(upstream + "/v1/models")
@@ -284,10 +291,14 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
             ("c32", 32, 25, False),
             ("c32-stream", 32, 12, True),
         ]
+        # Targets take turns in several rounds, so load from other processes on the machine
+        # hits all of them alike.
+        rounds = 4
         for label, clients, per, stream in scenarios:
-            for t in targets:
-                n = max(4, int(per * scale * (0.4 if t.name == "litellm" else 1.0)))
-                await run_clients(t, label, clients, n, stream)
+            for _ in range(rounds):
+                for t in targets:
+                    n = max(2, int(per * scale * (0.4 if t.name == "litellm" else 1.0)) // rounds)
+                    await run_clients(t, label, clients, n, stream)
     finally:
         for p in [*procs, lite]:
             if p is not None:
