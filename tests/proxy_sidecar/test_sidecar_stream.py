@@ -142,3 +142,17 @@ def test_writer_thread_path_for_network_stores(fake: Any, make_sidecar: Any, tmp
         )
     assert [c.seq for c in sc.store.calls("w")] == [0, 1, 2]
     assert sc.state.recorder.commits >= 1
+
+
+def test_sidecar_on_postgresql(fake: Any, make_sidecar: Any, pg_dsn: str) -> None:
+    from harnessrl.traces.postgres import PostgresTraceStore
+
+    store = PostgresTraceStore(pg_dsn)
+    sc = make_sidecar((fake[1].url,), store=store)
+    client = openai.OpenAI(base_url=sc.base("pg"), api_key="x", max_retries=0)
+    resp = client.chat.completions.create(model="smol", messages=CHAT["messages"], n=2)
+    list(client.chat.completions.create(model="smol", messages=CHAT["messages"], stream=True))
+    calls = store.calls("pg")
+    assert [c.seq for c in calls] == [0, 1] and all(c.ok for c in calls)
+    assert [list(c.token_ids) for c in calls[0].choices] == [c.token_ids for c in resp.choices]
+    store.close()
