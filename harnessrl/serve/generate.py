@@ -162,14 +162,13 @@ class _Run:
                 self.accept(event)
         if not all(c.finished for c in self.choices):
             return  # the client left
+        version = self.version if self.version is not None else self.backend.engine.version
+        if any(c.finish_reason == "abort" for c in self.choices):
+            error = RequestError("the engine stopped or failed while generating; retry", status=503)
+            return await send_json(send, 503, error.body(), version)
         build = chat_body if self.chat else completion_body
         body = build(self.job, self.choices, self.backend.names, self.head)
-        await send_json(
-            send,
-            200,
-            body,
-            self.version if self.version is not None else self.backend.engine.version,
-        )
+        await send_json(send, 200, body, version)
 
     async def stream(self, send: Send) -> None:
         events = await self.events()
@@ -254,7 +253,7 @@ class _Run:
         else:
             entry = {
                 "index": index,
-                "text": text,
+                "text": (self.job.echo_text or "") + text if start == 0 else text,
                 "logprobs": completion_logprobs(
                     choice, self.backend.names, start, self.offsets[index]
                 ),

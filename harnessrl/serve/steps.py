@@ -50,7 +50,9 @@ class DeviceSteps:
             v_lbske=jax.device_put(jnp.zeros(shape, cfg.compute_jnp_dtype), device),
         )
         self.traces = 0
-        self._decode = jax.jit(self._counted(self._decode_fn), donate_argnums=(1,))
+        self._decode = jax.jit(
+            self._counted(self._decode_fn), static_argnums=(0,), donate_argnums=(2,)
+        )
         self._prefill = jax.jit(self._counted(self._prefill_fn), donate_argnums=(1,))
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
@@ -75,14 +77,22 @@ class DeviceSteps:
 
     def _decode_fn(
         self,
+        length: int,
         state: nnx.State,
         cache: KVCache,
         tokens_s: jax.Array,
         positions_s: jax.Array,
         sampling: tuple[jax.Array, ...],
     ) -> tuple[Any, ...]:
+        # Attend over (and rewrite) only the first `length` cache positions: a step then costs
+        # what the longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
-        logits_s1v, cache = model.decode(tokens_s[:, None], positions_s[:, None], cache)
+        part = KVCache(k_lbske=cache.k_lbske[:, :, :length], v_lbske=cache.v_lbske[:, :, :length])
+        logits_s1v, part = model.decode(tokens_s[:, None], positions_s[:, None], part)
+        cache = KVCache(
+            k_lbske=jax.lax.dynamic_update_slice_in_dim(cache.k_lbske, part.k_lbske, 0, axis=2),
+            v_lbske=jax.lax.dynamic_update_slice_in_dim(cache.v_lbske, part.v_lbske, 0, axis=2),
+        )
         return (cache, *sample_tokens(logits_s1v[:, 0], *sampling))
 
     def _prefill_fn(
@@ -154,8 +164,10 @@ class DeviceSteps:
             tokens[seq.slot] = seq.last_token
             positions[seq.slot] = len(seq.request.prompt) + seq.generated - 1
             rows[seq.slot] = (seq.request.params, seq.key, seq.choice, seq.generated)
+        needed = int(positions.max()) + 1
+        length = next(b for b in self.config.decode_lengths if b >= needed)
         self.cache, token_s, lp_s, ids_sk, lps_sk = self._decode(
-            self.state, self.cache, tokens, positions, self._sampling(rows, n)
+            length, self.state, self.cache, tokens, positions, self._sampling(rows, n)
         )
         token_s, lp_s, ids_sk, lps_sk = (np.asarray(x) for x in (token_s, lp_s, ids_sk, lps_sk))
         return [
@@ -199,5 +211,14 @@ class DeviceSteps:
         assert logits_v is not None
         self.sample_first(logits_v, SamplingParams(), np.zeros(2, np.uint32), 0)
         self.copy_slot(0, 0)
-        self.decode([])
+        for length in self.config.decode_lengths:
+            self._warm_decode(length)
         jax.block_until_ready(self.cache)
+
+    def _warm_decode(self, length: int) -> None:
+        n = self.config.num_slots
+        rows = [(SamplingParams(), np.zeros(2, np.uint32), 0, 0)] * n
+        tokens, positions = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+        self.cache, *_ = self._decode(
+            length, self.state, self.cache, tokens, positions, self._sampling(rows, n)
+        )

@@ -74,7 +74,12 @@ def server(smol_tokenizer):
         return other
 
     config = ServeConfig(
-        model="smol", port=0, num_slots=4, max_model_len=448, prefill_buckets=(32, 256)
+        model="smol",
+        port=0,
+        num_slots=4,
+        max_model_len=448,
+        prefill_buckets=(32, 256),
+        decode_buckets=(128, 448),
     )
     handle = start_server(model, tok, config, params_loader=loader)
     yield handle

@@ -20,7 +20,9 @@ from harnessrl.serve.output import TokenEvent
 from harnessrl.serve.sampling import SamplingParams
 
 VOCAB, EOS = 96, 95
-CONFIG = ServeConfig(num_slots=4, max_model_len=96, prefill_buckets=(8, 16))
+CONFIG = ServeConfig(
+    num_slots=4, max_model_len=96, prefill_buckets=(8, 16), decode_buckets=(32, 64, 96)
+)
 
 
 def _model(seed: int) -> Decoder:
