@@ -208,3 +208,29 @@ def test_kubernetes_validate_cli_strict_passes_on_all_files() -> None:
     assert problems and all(line.startswith("WARN") and "JobSet" in line for line in problems), (
         problems
     )
+
+
+def test_every_train_pod_can_launch_harness_jobs() -> None:
+    """The train loop's KubernetesLauncher needs the launcher RBAC and the harness image."""
+    docs = base_docs()
+    role = by_kind(docs, "Role", "harnessrl-launcher")
+    jobs_rule = next(r for r in role["rules"] if r["resources"] == ["jobs"])
+    assert {"create", "watch", "delete"} <= set(jobs_rule["verbs"])
+    assert any(r["resources"] == ["pods/log"] for r in role["rules"])
+    binding = by_kind(docs, "RoleBinding", "harnessrl-launcher")
+    assert binding["subjects"][0]["name"] == "harnessrl-train"
+    pods = [
+        docs_of((K8S / "controller" / "train-job.yaml").read_text())[0]["spec"]["template"],
+        docs_of((K8S / "gpu" / "learner-job.yaml").read_text())[0]["spec"]["template"],
+        docs_of((K8S / "gke-tpu" / "learner-jobset.yaml").read_text())[0]["spec"]["replicatedJobs"][
+            0
+        ]["template"]["spec"]["template"],
+    ]
+    for pod in pods:
+        assert pod["spec"]["serviceAccountName"] == "harnessrl-train"
+        assert (
+            pod["metadata"]["labels"]["app.kubernetes.io/name"] == "harnessrl-train"
+        )  # vLLM admits it
+        (c,) = pod["spec"]["containers"]
+        assert c["command"][:3] == ["python", "-m", "harnessrl.train"]
+        assert any(e["name"] == "HARNESSRL_HARNESS_IMAGE" and e["value"] for e in c["env"])
