@@ -35,6 +35,7 @@ class RunConfig:
     loop: str = "sync"  # sync: rollouts → update → swap; async: next rollouts overlap the update
     max_staleness: int = 1  # async: most policy versions a trained sample may lag behind
     eval_every: int = 8  # held-out eval every N steps (and always before step 1 and at the end)
+    max_minutes: float = 0.0  # time budget: stop before a step that would overrun it; 0 = none
     resume: bool = True  # continue from the last checkpoint in out_dir when there is one
     export_hf: bool = True  # write an HF safetensors folder of the final weights
     display: bool = True  # live rich progress table (plain log lines when off or not a TTY)
@@ -45,6 +46,8 @@ class RunConfig:
         for name in ("steps", "eval_every"):
             _check_min(f"run.{name}", getattr(self, name), 1)
         _check_min("run.max_staleness", self.max_staleness, 0)
+        if not self.max_minutes >= 0:
+            raise ValueError(f"run.max_minutes must be >= 0, got {self.max_minutes!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +98,13 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     sidecar: SidecarConfig = dataclasses.field(default_factory=SidecarConfig)
-    # The embedded server takes a free port unless one is set.
-    serve: ServeConfig = dataclasses.field(default_factory=lambda: ServeConfig(port=0))
+    # The embedded run: a free port, a slot per concurrent harness, short contexts (the task's
+    # chats are < 200 tokens), so each decode step and the KV cache stay small on a CPU.
+    serve: ServeConfig = dataclasses.field(
+        default_factory=lambda: ServeConfig(
+            port=0, num_slots=16, max_model_len=512, prefill_buckets=(64, 256)
+        )
+    )
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
 
@@ -406,3 +414,10 @@ def describe(markdown: bool = False) -> str:
 def _type_name(hint: Any) -> str:
     text = str(hint) if typing.get_origin(hint) else getattr(hint, "__name__", str(hint))
     return text.replace("typing.", "").replace("NoneType", "None").replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    import sys
+
+    # `python -m harnessrl.config --markdown` regenerates the tables of docs/configuration.md.
+    sys.stdout.write(describe(markdown="--markdown" in sys.argv))

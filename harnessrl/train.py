@@ -28,6 +28,7 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
@@ -70,6 +71,7 @@ class Run:
     position: dict[str, Any]  # resume bookkeeping saved with each checkpoint
     started: float = dataclasses.field(default_factory=time.monotonic)
     minutes_before: float = 0.0  # wall minutes of interrupted attempts before this one
+    last_eval_s: float = 0.0
 
 
 # ---- tasks, launcher, services -------------------------------------------------------------------
@@ -117,22 +119,23 @@ def setup(cfg: TrainConfig) -> Run:
     learner_cfg = cfg.learner
     if learner_cfg.checkpoint_dir is None:
         learner_cfg = learner_cfg.replace(checkpoint_dir=str((out / "checkpoints").absolute()))
-    server = start_server(copy_model(model), tokenizer, cfg.serve)
     learner = Learner(model, learner_cfg)
     store_url = f"sqlite:///{(out / 'traces.db').absolute()}"
     store = open_store(store_url)
-    sidecar = SidecarProcess(
-        server.url, store_url, cfg.sidecar, out / "sidecar.log", cfg.serve.model_name
-    )
+    server = start_server(copy_model(model), tokenizer, cfg.serve)
+    try:
+        sidecar = SidecarProcess(
+            server.url, store_url, cfg.sidecar, out / "sidecar.log", cfg.serve.model_name
+        )
+    except BaseException:
+        server.stop()  # nothing may outlive a failed start
+        raise
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
-    run = Run(
+    return Run(
         cfg, out, store, learner, server, sidecar, make_launcher(cfg), log, train_tasks,
         eval_tasks, tokenizer, uuid.uuid4().hex[:6], position,
     )  # fmt: skip
-    if cfg.run.resume and learner.checkpointer and learner.checkpointer.latest_step() is not None:
-        resume(run)
-    return run
 
 
 def resume(run: Run) -> None:
@@ -257,6 +260,7 @@ def evaluate(run: Run, step: int) -> float:
     )
     result = run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator))
     reward = result.reward_mean(failed_as=0.0)
+    run.last_eval_s = result.duration_s
     run.log.log(
         {
             "step": step,
@@ -294,25 +298,45 @@ def train(run: Run) -> None:
         run.position["eval_start"] = evaluate(run, 0)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
     pending: Future[RoundResult] | None = None
+    first, loop_start = int(run.position["step"]), time.monotonic()
     try:
-        for step in range(int(run.position["step"]), cfg.steps):
+        for step in range(first, cfg.steps):
             run.log.phase(f"step {step + 1}: rollouts", completed=step)
             rollouts = (pending or pool.submit(collect, run, step)).result()
             pending = None
-            if cfg.loop == "async" and cfg.max_staleness > 0 and step + 1 < cfg.steps:
+            last = step + 1 == cfg.steps or not time_for_another(run, step + 1 - first, loop_start)
+            if cfg.loop == "async" and cfg.max_staleness > 0 and not last:
                 pending = pool.submit(collect, run, step + 1)  # runs while this step updates
             run.log.phase(f"step {step + 1}: update")
             metrics = update(run, step, rollouts)
             run.log.phase(f"step {step + 1}: weight swap")
             metrics["t_swap"] = swap_weights(run) if "learner_step" in metrics else 0.0
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.eval_every == 0 or last:
                 metrics["eval_reward"] = evaluate(run, step + 1)
             run.log.log(metrics)
-            checkpoint(run, step + 1, force=step + 1 == cfg.steps)
+            checkpoint(run, step + 1, force=last)
+            if last:
+                break
     finally:
         if pending is not None and isinstance(run.launcher, LocalLauncher):
             run.launcher.stop()  # an interrupted async step: its runs are abandoned
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def time_for_another(run: Run, done: int, loop_start: float) -> bool:
+    """Whether one more step and the final eval fit in run.max_minutes (0: no limit)."""
+    budget = run.cfg.run.max_minutes
+    if not budget:
+        return True
+    step_s = (time.monotonic() - loop_start) / max(1, done)
+    needed = minutes(run) + (step_s + run.last_eval_s) / 60
+    if needed <= budget:
+        return True
+    run.log.console.print(
+        f"stopping after step {int(run.position['step']) + 1}: another step and the final eval "
+        f"would end at {needed:.1f} min, past run.max_minutes={budget:g}"
+    )
+    return False
 
 
 def finish(run: Run) -> str:
@@ -326,7 +350,7 @@ def finish(run: Run) -> str:
     start = run.position["eval_start"] if run.position["eval_start"] is not None else evals[0]
     return (
         f"train: eval_reward_start={start:.3f} eval_reward_end={evals[-1]:.3f} "
-        f"steps={run.cfg.run.steps} minutes={minutes(run):.1f}"
+        f"steps={run.position['step']} minutes={minutes(run):.1f}"
     )
 
 
@@ -367,6 +391,10 @@ def parse_args(argv: list[str]) -> TrainConfig:
         raise  # parser.error exits; this keeps type checkers content
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _set_device_flags(argv)
@@ -374,8 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     fresh = not (cfg.run.resume and has_checkpoint(cfg))
     if fresh:
         clear_outputs(Path(cfg.run.out_dir))
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed job shuts down like Ctrl-C
     run = setup(cfg)
     try:
+        if not fresh:
+            resume(run)
         train(run)
         line = finish(run)
     except KeyboardInterrupt:

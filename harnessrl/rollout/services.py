@@ -66,6 +66,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the trainer dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class SidecarProcess:
     """`python -m proxy_sidecar` in front of `upstream`, recording into `store_url`."""
 
@@ -95,7 +104,13 @@ class SidecarProcess:
         env = dict(os.environ, HARNESSRL_CONTROL_TOKEN=self.token)
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the trainer, which stops the sidecar in order
+            preexec_fn=_die_with_parent,
         )
         self.client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=120.0
