@@ -120,37 +120,47 @@ class UpstreamPool:
         self.retries = retries
         self.eject_s = eject_s
         self._client: Any = None
+        self._fresh: Any = None
         self.stale_retries = 0
 
     async def start(self) -> None:
+        self._client = self._make_client(pooled=True)
+        # Used only to retry a request whose pooled connection turned out to be dead: when many
+        # pooled connections went stale together, the pool could hand out another dead one.
+        self._fresh = self._make_client(pooled=False)
+
+    def _make_client(self, *, pooled: bool) -> Any:
         if self.client_kind == "aiohttp":
-            self._client = aiohttp.ClientSession(
+            return aiohttp.ClientSession(
                 # Idle connections are dropped before common servers' 5 s keep-alive (uvicorn,
                 # so vLLM) closes them, which keeps stale-connection races rare.
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
+                if pooled
+                else aiohttp.TCPConnector(limit=0, force_close=True),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             )
-        else:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    connect=self.connect_timeout_s, read=self.read_timeout_s, write=60, pool=None
-                ),
-                limits=httpx.Limits(
-                    max_connections=None, max_keepalive_connections=1024, keepalive_expiry=4
-                ),
-            )
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=self.connect_timeout_s, read=self.read_timeout_s, write=60, pool=None
+            ),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=1024 if pooled else 0,
+                keepalive_expiry=4,
+            ),
+        )
 
     async def close(self) -> None:
-        if self._client is not None:
-            if isinstance(self._client, aiohttp.ClientSession):
-                await self._client.close()
-            else:
-                await self._client.aclose()
-            self._client = None
+        for client in (self._client, self._fresh):
+            if isinstance(client, aiohttp.ClientSession):
+                await client.close()
+            elif client is not None:
+                await client.aclose()
+        self._client = self._fresh = None
 
     def candidates(self, rollout_id: str) -> list[Upstream]:
         """Upstreams in the order this rollout tries them: healthy first, each by its hash."""
@@ -187,7 +197,9 @@ class UpstreamPool:
                     if not err.stale:
                         raise
                     self.stale_retries += 1
-                    resp = await self._send(upstream.url + path, method, headers, body)
+                    resp = await self._send(
+                        upstream.url + path, method, headers, body, client=self._fresh
+                    )
             except UpstreamFailure as err:
                 self.eject(upstream)
                 last, timed_out = f"{upstream.url}: {err}", err.timeout
@@ -204,9 +216,14 @@ class UpstreamPool:
         raise NoUpstream(f"no upstream answered ({last})")
 
     async def _send(
-        self, url: str, method: str, headers: list[tuple[str, str]], body: bytes | None
+        self,
+        url: str,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        client: Any = None,
     ) -> UpstreamResponse:
-        client = self._client
+        client = client or self._client
         if client is None:
             raise UpstreamFailure("client not started")
         try:
