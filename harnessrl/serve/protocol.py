@@ -172,12 +172,18 @@ def parse_job(
     stream, include_usage, return_ids = _stream_flags(body)
     echo_text = None
     if chat:
-        add_prompt = body.get("add_generation_prompt", True)
-        prompt_ids = list(
-            tokenizer.apply_chat_template(
-                _messages(body.get("messages")), tools=tools, add_generation_prompt=bool(add_prompt)
+        messages = _messages(body.get("messages"))
+        add_prompt = bool(body.get("add_generation_prompt", True))
+        try:
+            prompt_ids = list(
+                tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=add_prompt
+                )
             )
-        )
+        except Exception as err:  # the template is code run on client data: its failure is a 400
+            raise RequestError(
+                f"the chat template cannot render these messages: {err}", param="messages"
+            ) from err
     else:
         prompt_ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab_size)
         if body.get("echo"):

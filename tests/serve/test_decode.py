@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -236,3 +237,41 @@ def test_bad_arguments_are_rejected(served):
     with pytest.raises(ValueError, match="has shape"):
         engine.swap_params(wrong, 5)
     assert engine.version != 5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("HARNESSRL_SLOW"),
+    reason="SmolLM2 consistency: set HARNESSRL_SLOW=1 (minutes)",
+)
+def test_smollm2_served_logprobs_equal_learner_logprobs():
+    from harnessrl.model.load import load_model
+
+    loaded = load_model("smollm2")
+    config = ServeConfig(
+        num_slots=2, max_model_len=96, prefill_buckets=(16, 64), decode_buckets=(96,)
+    )
+    engine = Engine(loaded.model, loaded.tokenizer.eos_token_ids, config)
+    engine.warm_up()
+    engine.start()
+    try:
+        prompt = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 11+5?"}]
+        )
+        got = generate(engine, prompt, SamplingParams(n=2, temperature=1.0, seed=0), 24)
+    finally:
+        engine.stop()
+    for events in got.values():
+        tokens = [e.token for e in events]
+        ids = prompt + tokens
+        padded = np.zeros((1, 96), np.int32)
+        padded[0, : len(ids)] = ids
+        segments = (np.arange(96) < len(ids)).astype(np.int32)[None]
+        logits = _forward(
+            *nnx.split(loaded.model), padded, np.arange(96, dtype=np.int32)[None], segments
+        )
+        reference = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))[
+            np.arange(len(prompt) - 1, len(ids) - 1), tokens
+        ]
+        served = np.array([e.logprob for e in events])
+        assert np.max(np.abs(served - reference)) <= 1e-3, np.max(np.abs(served - reference))

@@ -97,3 +97,21 @@ def test_bad_requests_are_400_naming_the_field(body, chat, needle):
         _job(body, chat=chat)
     assert info.value.status == 400
     assert info.value.body()["error"]["type"] == "BadRequestError"
+
+
+class _FailingTemplate(ByteTokenizer):
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        raise ValueError("Conversation roles must alternate user/assistant")
+
+
+def test_template_failure_is_a_400():
+    with pytest.raises(RequestError, match="cannot render these messages: Conversation roles") as info:
+        parse_job(
+            {"messages": [{"role": "user", "content": "x"}]},
+            chat=True,
+            tokenizer=_FailingTemplate(),
+            served="smol",
+            max_model_len=64,
+            vocab_size=VOCAB,
+        )
+    assert info.value.status == 400 and info.value.param == "messages"
