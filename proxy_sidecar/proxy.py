@@ -142,7 +142,9 @@ class ProxyEndpoint:
     ) -> None:
         state = self.state
         body = rewrite(request, self.endpoint, state)
-        path = self.path + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
+        path = self.path + (
+            "?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""
+        )
         try:
             upstream, resp = await state.pool.request(
                 rollout_id, "POST", path, upstream_headers(scope), body

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from proxy_sidecar.errors import NoUpstream, UpstreamTimeout
+from proxy_sidecar.errors import BadRequest, NoUpstream, UpstreamTimeout
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -233,6 +233,9 @@ class UpstreamPool:
             req = client.build_request(method, url, content=body, headers=headers)
             resp = await client.send(req, stream=True)
             return UpstreamResponse(resp.status_code, list(resp.headers.raw), resp)
+        except (ValueError, TypeError, UnicodeError) as err:
+            # The client libraries refuse some header values that HTTP servers accept.
+            raise BadRequest(f"request cannot be forwarded: {err}") from err
         except (TimeoutError, aiohttp.ClientError, httpx.TransportError, OSError) as err:
             timeout = isinstance(err, asyncio.TimeoutError | httpx.TimeoutException)
             raise UpstreamFailure(

@@ -88,9 +88,15 @@ header_names = st.sampled_from(
         "x-custom",
     ]
 )
-header_values = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(
-    str.strip
+# Any byte a server accepts in a header value: printable ASCII and latin-1.
+header_values = (
+    st.text(
+        st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"), max_size=40
+    )
+    .map(str.strip)
+    .map(lambda v: v.encode("latin-1"))
 )
+queries = st.one_of(st.just(""), st.binary(max_size=20).map(lambda b: "?" + quote(b, safe="=&")))
 headers = st.dictionaries(header_names, header_values, max_size=4)
 
 
@@ -101,11 +107,12 @@ def test_fuzzed_requests_never_get_a_sidecar_5xx(sidecar: Any) -> None:
     @given(
         method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]),
         path=paths,
+        query=queries,
         body=bodies,
         hdrs=headers,
     )
-    def one(method: str, path: str, body: bytes, hdrs: dict[str, str]) -> None:
-        r = client.request(method, path, content=body, headers=hdrs)
+    def one(method: str, path: str, query: str, body: bytes, hdrs: dict[str, bytes]) -> None:
+        r = client.request(method, path + query, content=body, headers=hdrs)
         assert r.status_code < 500 or r.headers.get("x-fake-upstream") == "1", (
             r.status_code,
             r.text[:300],
