@@ -119,11 +119,12 @@ class Learner:
     # ---- compiled programs -------------------------------------------------------------------
 
     def _zeros_like_params(self) -> Any:
-        zeros = jax.jit(
-            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-            out_shardings=self.param_shardings,
-        )
-        return zeros(self.params)
+        if not hasattr(self, "_zeros"):
+            self._zeros = jax.jit(
+                lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+                out_shardings=self.param_shardings,
+            )
+        return self._zeros(self.params)
 
     def _build_programs(self) -> None:
         ps, rep, bs = self.param_shardings, self._replicated, self._batch_sharding
@@ -189,15 +190,18 @@ class Learner:
 
     # ---- host-facing API ---------------------------------------------------------------------
 
-    def put_batch(self, batch: Any) -> dict[str, jax.Array]:
-        """This process's rows of one micro-batch → global arrays sharded over (data, fsdp)."""
-        arrays = batch_arrays(batch)
+    def _check_rows(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = arrays["tokens"].shape[0] * jax.process_count()
         if rows % self._batch_shards:
             raise ValueError(
                 f"micro-batch has {rows} rows in all, not a multiple of data*fsdp="
                 f"{self._batch_shards} of mesh {dict(self.mesh.shape)}; choose bucket rows accordingly"
             )
+        return arrays
+
+    def put_batch(self, batch: Any) -> dict[str, jax.Array]:
+        """This process's rows of one micro-batch → global arrays sharded over (data, fsdp)."""
+        arrays = self._check_rows(batch_arrays(batch))
         return {
             name: jax.make_array_from_process_local_data(self._batch_sharding, arr)
             for name, arr in arrays.items()
@@ -207,9 +211,12 @@ class Learner:
         """Run the micro-steps of one step into the accumulators; return the metric sums."""
         if not batches:
             raise ValueError("a step needs at least one micro-batch, got an empty list")
-        for batch in batches:
+        # Check every micro-batch before the first one touches the accumulators, so a bad one
+        # cannot leave half a step's gradient behind for the next step.
+        checked = [self._check_rows(batch_arrays(batch)) for batch in batches]
+        for arrays in checked:
             self._grads, self._sums = self._micro(
-                self.params, self.ref_params, self._grads, self._sums, self.put_batch(batch)
+                self.params, self.ref_params, self._grads, self._sums, self.put_batch(arrays)
             )
         sums = jax.device_get(self._sums)
         self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
