@@ -14,7 +14,8 @@ from fake_vllm import free_port
 FAKE = pathlib.Path(__file__).parents[1] / "fixtures" / "vllm" / "fake_vllm.py"
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Wait until `url` answers; a process that never does is killed, not left behind."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -25,6 +26,7 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) 
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
+    stop(proc)
     raise RuntimeError(f"{url} not up after {timeout_s}s")
 
 
