@@ -30,12 +30,12 @@ class RunConfig:
     """The loop itself: how long, where outputs go, how it is shown."""
 
     out_dir: str = "runs/default"  # metrics, checkpoints, traces, plot and HF export go here
-    steps: int = 16  # optimizer steps
+    steps: int = 15  # optimizer steps
     seed: int = 0  # task sampling; a bare `seed=N` sets run, serve and learner seeds together
     loop: str = "sync"  # sync: rollouts → update → swap; async: next rollouts overlap the update
     max_staleness: int = 1  # async: most policy versions a trained sample may lag behind
-    eval_every: int = 8  # held-out eval every N steps (and always before step 1 and at the end)
-    max_minutes: float = 0.0  # time budget: stop before a step that would overrun it; 0 = none
+    eval_every: int = 5  # held-out eval every N steps (and always before step 1 and at the end)
+    max_minutes: float = 18.0  # time budget: stop before a step that would overrun it; 0 = none
     resume: bool = True  # continue from the last checkpoint in out_dir when there is one
     export_hf: bool = True  # write an HF safetensors folder of the final weights
     display: bool = True  # live rich progress table (plain log lines when off or not a TTY)
@@ -54,13 +54,18 @@ class RunConfig:
 class RolloutConfig:
     """Which tasks, which harness, how many runs, and how they are scored."""
 
-    harness: str = "{python} {examples}/answer_agent.py --temperature 1.0 --max-tokens 24 --max-attempts 3"  # command line per run; {python} = this interpreter, {examples} = the examples folder
+    # The command line per run; {python} = this interpreter, {examples} = the examples folder.
+    harness: str = (
+        "{python} {examples}/answer_agent.py --temperature 0.7 --max-tokens 20 --max-attempts 2"
+    )
     launcher: str = "local"  # local | kubernetes
+    image: str = ""  # kubernetes: the harness container image
+    namespace: str = "harnessrl"  # kubernetes: namespace of the harness Jobs
     tasks: str = "builtin:addition"  # builtin:addition or a JSONL task file
     eval_tasks: str = ""  # JSONL of held-out tasks (builtin:addition makes its own split)
     num_train_tasks: int = 300  # builtin:addition sizes
     num_eval_tasks: int = 64
-    tasks_per_step: int = 8  # tasks sampled per step; each is run group_size times (one group)
+    tasks_per_step: int = 6  # tasks sampled per step; each is run group_size times (one group)
     group_size: int = 8
     eval_runs_per_task: int = 1
     evaluator: str = "exact_number"  # exact_number | exact_match | contains | exit_code
@@ -106,7 +111,13 @@ class TrainConfig:
         )
     )
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    # ~15 steps fit the 20-minute CPU budget, so the step size sits at the top of the usual
+    # 1e-6..1e-5 range for a 135M model; checkpoints (1.6 GB with AdamW state) every 5 steps.
+    learner: LearnerConfig = dataclasses.field(
+        default_factory=lambda: LearnerConfig(
+            learning_rate=2e-5, checkpoint_every=5, keep_checkpoints=2
+        )
+    )
 
 
 SECTIONS: dict[str, type] = dict(typing.get_type_hints(TrainConfig))
@@ -119,6 +130,7 @@ SMOKE: dict[str, Any] = {
     "run.eval_every": 1,
     "run.out_dir": "runs/smoke",
     "run.resume": False,
+    "run.max_minutes": 0.0,
     "rollout.num_train_tasks": 16,
     "rollout.num_eval_tasks": 4,
     "rollout.tasks_per_step": 2,

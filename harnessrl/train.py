@@ -96,10 +96,12 @@ def make_launcher(cfg: TrainConfig) -> Launcher:
     if r.launcher == "kubernetes":
         from harnessrl.rollout.k8s import KubernetesLauncher, KubernetesLauncherConfig
 
-        image = os.environ.get("HARNESSRL_HARNESS_IMAGE", "")
         return KubernetesLauncher(
             KubernetesLauncherConfig(
-                image=image, command=harness_command(cfg), concurrency=r.concurrency
+                image=r.image,
+                command=harness_command(cfg),
+                namespace=r.namespace,
+                concurrency=r.concurrency,
             )
         )
     return LocalLauncher(
@@ -317,9 +319,11 @@ def train(run: Run) -> None:
             checkpoint(run, step + 1, force=last)
             if last:
                 break
+    except BaseException:
+        if isinstance(run.launcher, LocalLauncher):
+            run.launcher.stop()  # interrupted: the step's runs are abandoned, not waited for
+        raise
     finally:
-        if pending is not None and isinstance(run.launcher, LocalLauncher):
-            run.launcher.stop()  # an interrupted async step: its runs are abandoned
         pool.shutdown(wait=True, cancel_futures=True)
 
 
