@@ -56,7 +56,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def rollout_of(scope: Scope, default: str) -> str:
-    rollout_id = scope.get("path_params", {}).get("rollout_id", default)
+    rollout_id = str(scope.get("path_params", {}).get("rollout_id", default))
     if len(rollout_id) > 256 or not rollout_id.isprintable():
         raise BadRequest(f"rollout id must be printable and at most 256 chars, got {rollout_id!r}")
     return rollout_id
@@ -187,7 +187,7 @@ class ProxyEndpoint:
         state = self.state
         t0 = time.perf_counter()
         try:
-            seq = await state.recorder.record(record)
+            seq: int = await state.recorder.record(record)
         except Exception:
             state.metrics.store_errors.inc()
             state.metrics.observe(record, None, stream, state.config.log_calls)

@@ -49,7 +49,7 @@ class Recorder:
             self._pending.append((call, fut))
         else:
             self._queue.put((call, fut))
-        return await fut
+        return int(await fut)
 
     def _flush(self) -> None:
         while self._pending:

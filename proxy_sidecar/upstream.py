@@ -69,7 +69,7 @@ class UpstreamResponse:
         try:
             if isinstance(self._raw, aiohttp.ClientResponse):
                 return await self._raw.read()
-            return await self._raw.aread()
+            return bytes(await self._raw.aread())
         except (TimeoutError, aiohttp.ClientError, httpx.TransportError) as err:
             raise UpstreamFailure(f"reading body: {type(err).__name__}: {err}") from err
         finally:
