@@ -74,7 +74,7 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
 
 
 @contextlib.contextmanager
-def _param_sharding() -> Iterator[None]:
+def param_sharding() -> Iterator[None]:
     """Shard new params eagerly under a mesh (with the project's rules); plain arrays without."""
     if jax.sharding.get_abstract_mesh().empty:
         with nnx.use_eager_sharding(False):
@@ -180,7 +180,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         v, d, dt = cfg.vocab_size, cfg.hidden_size, cfg.param_jnp_dtype
-        with _param_sharding():
+        with param_sharding():
             self.embed_vd = _param(rngs, (v, d), ("vocab", "embed"), dt, "normal")
             self.layers = DecoderLayers(cfg, rngs)
             self.final_norm_d = _param(rngs, (d,), ("embed",), dt, "ones")

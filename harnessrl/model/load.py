@@ -19,7 +19,7 @@ from flax import nnx
 
 from harnessrl.learner.mesh import logical_to_spec
 from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.decoder import Decoder, param_sharding
 from harnessrl.model.gguf_import import read_gguf
 from harnessrl.model.hf_import import Params, params_from_hf, read_hf_folder
 from harnessrl.model.tokenizer import ChatTokenizer
@@ -93,7 +93,9 @@ def load_model(spec: str | Path, **config_overrides: Any) -> LoadedModel:
 
 def build_decoder(cfg: ModelConfig, params: Params) -> Decoder:
     """A decoder holding `params` (no random init); sharded by logical axes under a mesh."""
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    # Shapes only: the values are placed below, one by one, by their logical axes.
+    with param_sharding():
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     sharded = not jax.sharding.get_abstract_mesh().empty
     wanted = dict(nnx.to_flat_state(state))
