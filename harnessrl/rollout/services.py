@@ -66,13 +66,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, get SIGTERM when the trainer dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+# Runs as the sidecar's `python -c` prelude: on Linux, ask for SIGTERM when the trainer dies (even
+# by SIGKILL), then become `python -m proxy_sidecar ...`. Done in the child's own interpreter, not
+# in a preexec_fn, because forking a multithreaded JAX process must not run Python before exec.
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "    if os.getppid() != int(sys.argv[1]): sys.exit(0)\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'proxy_sidecar', *sys.argv[2:]])\n"
+)
 
 
 class SidecarProcess:
@@ -86,8 +89,9 @@ class SidecarProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             sys.executable,
-            "-m",
-            "proxy_sidecar",
+            "-c",
+            DIE_WITH_PARENT,
+            str(os.getpid()),
             "--upstream",
             upstream,
             "--store",
@@ -110,7 +114,6 @@ class SidecarProcess:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # Ctrl-C reaches the trainer, which stops the sidecar in order
-            preexec_fn=_die_with_parent,
         )
         self.client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=120.0
