@@ -2,7 +2,7 @@
 
 In: host-side slot assignments (token ids, positions, sampling settings). Out: sampled tokens and
 their raw logprobs. Holds the params and the KV cache; every program has a fixed shape, and
-`compile_count` counts traces so tests can assert that serving never recompiles.
+`compile_count` counts compiled executables so tests can assert that serving never recompiles.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from flax import nnx
 
 from harnessrl.model.decoder import Decoder, KVCache
 from harnessrl.serve.config import ServeConfig
+from harnessrl.serve.forward import cached_forward
 from harnessrl.serve.sampling import SamplingParams, sample_tokens
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
@@ -53,7 +54,9 @@ class DeviceSteps:
         self._decode = jax.jit(
             self._counted(self._decode_fn), static_argnums=(0,), donate_argnums=(2,)
         )
-        self._prefill = jax.jit(self._counted(self._prefill_fn), donate_argnums=(1,))
+        self._prefill = jax.jit(
+            self._counted(self._prefill_fn), static_argnums=(0,), donate_argnums=(2,)
+        )
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
 
@@ -84,19 +87,17 @@ class DeviceSteps:
         positions_s: jax.Array,
         sampling: tuple[jax.Array, ...],
     ) -> tuple[Any, ...]:
-        # Attend over (and rewrite) only the first `length` cache positions: a step then costs
-        # what the longest live sequence needs, not max_model_len.
+        # Attends over the first `length` cache positions only: a step then costs what the
+        # longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
-        part = KVCache(k_lbske=cache.k_lbske[:, :, :length], v_lbske=cache.v_lbske[:, :, :length])
-        logits_s1v, part = model.decode(tokens_s[:, None], positions_s[:, None], part)
-        cache = KVCache(
-            k_lbske=jax.lax.dynamic_update_slice_in_dim(cache.k_lbske, part.k_lbske, 0, axis=2),
-            v_lbske=jax.lax.dynamic_update_slice_in_dim(cache.v_lbske, part.v_lbske, 0, axis=2),
+        x_s1d, cache = cached_forward(
+            model, tokens_s[:, None], positions_s[:, None], cache, None, length
         )
-        return (cache, *sample_tokens(logits_s1v[:, 0], *sampling))
+        return (cache, *sample_tokens(model.logits(x_s1d)[:, 0], *sampling))
 
     def _prefill_fn(
         self,
+        length: int,
         state: nnx.State,
         cache: KVCache,
         slot: jax.Array,
@@ -104,18 +105,11 @@ class DeviceSteps:
         positions_c: jax.Array,
         last: jax.Array,
     ) -> tuple[KVCache, jax.Array]:
-        # Only this slot's cache row takes part, so a chunk costs its own tokens, not slots × tokens.
+        # One slot's row only, so a chunk costs its own tokens; logits only for the last one.
         model = nnx.merge(self.graphdef, state, self._rest)
-        row = KVCache(
-            k_lbske=jax.lax.dynamic_slice_in_dim(cache.k_lbske, slot, 1, axis=1),
-            v_lbske=jax.lax.dynamic_slice_in_dim(cache.v_lbske, slot, 1, axis=1),
-        )
-        logits_1cv, row = model.decode(tokens_c[None], positions_c[None], row)
-        cache = KVCache(
-            k_lbske=jax.lax.dynamic_update_slice_in_dim(cache.k_lbske, row.k_lbske, slot, axis=1),
-            v_lbske=jax.lax.dynamic_update_slice_in_dim(cache.v_lbske, row.v_lbske, slot, axis=1),
-        )
-        return cache, logits_1cv[0, last]
+        x_1cd, cache = cached_forward(model, tokens_c[None], positions_c[None], cache, slot, length)
+        x_11d = jax.lax.dynamic_slice_in_dim(x_1cd, last, 1, axis=1)
+        return cache, model.logits(x_11d)[0, 0]
 
     def _copy_fn(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         def copy(x_lbske: jax.Array) -> jax.Array:
@@ -180,15 +174,22 @@ class DeviceSteps:
         return next((b for b in buckets if b >= remaining), buckets[-1])
 
     def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int) -> tuple[int, jax.Array]:
-        """Write the next chunk of `prompt` (from `start`) into `slot`; → (new start, last logits)."""
-        size = self.bucket(len(prompt) - start)
+        """Write the next chunk of `prompt` (from `start`) into `slot`; → (new start, last logits).
+
+        A first chunk is padded to a bucket and attends over itself only; a continuation (prompts
+        longer than the largest bucket) takes the largest bucket and attends over the whole row.
+        """
+        if start == 0:
+            size = length = self.bucket(len(prompt))
+        else:
+            size, length = self.config.prefill_buckets[-1], self.config.max_model_len
         real = min(size, len(prompt) - start)
         tokens = np.zeros(size, np.int32)
         tokens[:real] = prompt[start : start + real]
         positions = np.full(size, -1, np.int32)
         positions[:real] = np.arange(start, start + real, dtype=np.int32)
         self.cache, logits_v = self._prefill(
-            self.state, self.cache, np.int32(slot), tokens, positions, np.int32(real - 1)
+            length, self.state, self.cache, np.int32(slot), tokens, positions, np.int32(real - 1)
         )
         return start + real, logits_v
 
@@ -206,8 +207,10 @@ class DeviceSteps:
         """Run each program once so the first requests do not pay for compilation."""
         logits_v = None
         for size in self.config.prefill_buckets:
-            prompt = np.zeros(size, np.int32)
-            _, logits_v = self.prefill_chunk(0, prompt, 0)
+            _, logits_v = self.prefill_chunk(0, np.zeros(size, np.int32), 0)
+        largest = self.config.prefill_buckets[-1]
+        if largest < self.config.max_model_len:  # continuation chunks exist
+            _, logits_v = self.prefill_chunk(0, np.zeros(largest + 1, np.int32), largest)
         assert logits_v is not None
         self.sample_first(logits_v, SamplingParams(), np.zeros(2, np.uint32), 0)
         self.copy_slot(0, 0)
