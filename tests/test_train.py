@@ -153,3 +153,30 @@ def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(tmp_path: Path) ->
     steps = [r["step"] for r in _records(out) if r["kind"] == "train"]
     assert steps[-1] == 4 and sorted(set(steps)) == [1, 2, 3, 4]
     assert FINAL.match(again.stdout.strip().splitlines()[-1])
+
+
+def test_time_budget_stops_before_a_step_that_would_overrun() -> None:
+    import types
+
+    from harnessrl.config import load_config
+    from harnessrl.train import time_for_another
+
+    printed: list[str] = []
+    console = types.SimpleNamespace(print=printed.append)
+
+    def run_with(budget: float, elapsed_min: float, eval_s: float) -> types.SimpleNamespace:
+        cfg = load_config(overrides=[f"run.max_minutes={budget}"])
+        return types.SimpleNamespace(
+            cfg=cfg,
+            last_eval_s=eval_s,
+            minutes_before=elapsed_min,
+            started=time.monotonic(),
+            position={"step": 3},
+            log=types.SimpleNamespace(console=console),
+        )
+
+    loop_start = time.monotonic() - 120  # 3 steps took 2 minutes: 40 s a step
+    assert time_for_another(run_with(18.0, 10.0, 30.0), 3, loop_start)
+    assert not time_for_another(run_with(18.0, 17.0, 30.0), 3, loop_start)
+    assert "past run.max_minutes=18" in printed[-1]
+    assert time_for_another(run_with(0.0, 500.0, 30.0), 3, loop_start)  # 0: no budget
