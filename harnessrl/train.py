@@ -184,18 +184,17 @@ def step_traces(run: Run, rollouts: RoundResult) -> tuple[StepTraces, dict[str, 
     """The round's runs and calls; runs whose calls lag more than max_staleness are dropped."""
     records = [rec for g in rollouts.group_ids for rec in run.store.rollouts(g)]
     calls = {rec.rollout_id: run.store.calls(rec.rollout_id) for rec in records}
-    version, limit = run.learner.step, run.cfg.run.max_staleness
-    lags = [
-        version - c.policy_version
-        for cs in calls.values()
-        for c in cs
-        if c.policy_version is not None
-    ]
-    stale = {rid for rid, cs in calls.items() if any(c.policy_version is not None and version - c.policy_version > limit for c in cs)}  # fmt: skip
+    # Policy versions a call lags behind the learner (the sidecar records who served each call).
+    lags = {
+        rid: [run.learner.step - c.policy_version for c in cs if c.policy_version is not None]
+        for rid, cs in calls.items()
+    }
+    every = [lag for run_lags in lags.values() for lag in run_lags]
+    stale = {rid for rid, xs in lags.items() if any(x > run.cfg.run.max_staleness for x in xs)}
     kept = [rec for rec in records if rec.rollout_id not in stale]
     stats = {
-        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-        "staleness_max": float(max(lags, default=0)),
+        "staleness_mean": sum(every) / len(every) if every else 0.0,
+        "staleness_max": float(max(every, default=0)),
         "runs_stale": float(len(stale)),
     }
     return StepTraces(kept, {rec.rollout_id: calls[rec.rollout_id] for rec in kept}), stats
