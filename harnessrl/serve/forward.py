@@ -69,3 +69,51 @@ def cached_forward(
     carry = (model.embed(tokens_bt), cache.k_lbske, cache.v_lbske)
     (x_btd, k_lsmke, v_lsmke), _ = jax.lax.scan(layer, carry, jnp.arange(cfg.num_layers))
     return x_btd, KVCache(k_lbske=k_lsmke, v_lbske=v_lsmke)
+
+
+def _via_decode(
+    model: Decoder,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    cache: KVCache,
+    row: jax.Array | None,
+    length: int,
+) -> tuple[jax.Array, KVCache]:
+    """The same step through the model's own `decode`, for subclasses that override it."""
+    start = 0 if row is None else row
+    size = cache.k_lbske.shape[1] if row is None else 1
+
+    def cut(x: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)[:, :, :length]
+
+    logits_btv, part = model.decode(
+        tokens_bt, positions_bt, KVCache(cut(cache.k_lbske), cut(cache.v_lbske))
+    )
+
+    def put(x: jax.Array, new: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(x, new, (0, start, 0, 0, 0))
+
+    return logits_btv, KVCache(put(cache.k_lbske, part.k_lbske), put(cache.v_lbske, part.v_lbske))
+
+
+def serve_step(
+    model: Decoder,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    cache: KVCache,
+    row: jax.Array | None,
+    length: int,
+    last: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Logits `[b, vocab]` at index `last` of each row (t must be 1 without it) + the cache.
+
+    A Decoder subclass that overrides `decode` is served through it (slower, same contract).
+    """
+    if type(model).decode is not Decoder.decode:
+        logits_btv, cache = _via_decode(model, tokens_bt, positions_bt, cache, row, length)
+        at = 0 if last is None else last
+        return jax.lax.dynamic_index_in_dim(logits_btv, at, axis=1, keepdims=False), cache
+    x_btd, cache = cached_forward(model, tokens_bt, positions_bt, cache, row, length)
+    if last is not None:
+        x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
+    return model.logits(x_btd)[:, 0], cache

@@ -17,7 +17,7 @@ from flax import nnx
 
 from harnessrl.model.decoder import Decoder, KVCache
 from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.forward import cached_forward
+from harnessrl.serve.forward import serve_step
 from harnessrl.serve.sampling import SamplingParams, sample_tokens
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
@@ -90,10 +90,10 @@ class DeviceSteps:
         # Attends over the first `length` cache positions only: a step then costs what the
         # longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
-        x_s1d, cache = cached_forward(
+        logits_sv, cache = serve_step(
             model, tokens_s[:, None], positions_s[:, None], cache, None, length
         )
-        return (cache, *sample_tokens(model.logits(x_s1d)[:, 0], *sampling))
+        return (cache, *sample_tokens(logits_sv, *sampling))
 
     def _prefill_fn(
         self,
@@ -107,9 +107,10 @@ class DeviceSteps:
     ) -> tuple[KVCache, jax.Array]:
         # One slot's row only, so a chunk costs its own tokens; logits only for the last one.
         model = nnx.merge(self.graphdef, state, self._rest)
-        x_1cd, cache = cached_forward(model, tokens_c[None], positions_c[None], cache, slot, length)
-        x_11d = jax.lax.dynamic_slice_in_dim(x_1cd, last, 1, axis=1)
-        return cache, model.logits(x_11d)[0, 0]
+        logits_1v, cache = serve_step(
+            model, tokens_c[None], positions_c[None], cache, slot, length, last
+        )
+        return cache, logits_1v[0]
 
     def _copy_fn(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         def copy(x_lbske: jax.Array) -> jax.Array:

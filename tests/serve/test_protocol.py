@@ -105,7 +105,9 @@ class _FailingTemplate(ByteTokenizer):
 
 
 def test_template_failure_is_a_400():
-    with pytest.raises(RequestError, match="cannot render these messages: Conversation roles") as info:
+    with pytest.raises(
+        RequestError, match="cannot render these messages: Conversation roles"
+    ) as info:
         parse_job(
             {"messages": [{"role": "user", "content": "x"}]},
             chat=True,
