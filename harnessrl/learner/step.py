@@ -81,7 +81,13 @@ class Learner:
     def __init__(
         self, model: nnx.Module, cfg: LearnerConfig | None = None, mesh: Mesh | None = None
     ) -> None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"model must be a Flax NNX module (e.g. load_model(...).model), got {type(model).__name__}"
+            )
         self.cfg = cfg = cfg if cfg is not None else LearnerConfig()
+        if not isinstance(cfg, LearnerConfig):
+            raise TypeError(f"cfg must be a LearnerConfig, got {type(cfg).__name__}")
         self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
         self.parts, params = split_model(model, cfg.compute_dtype, cfg.param_dtype, cfg.remat)
         self.param_shardings = param_shardings(self.parts, params, self.mesh)
@@ -105,11 +111,11 @@ class Learner:
             self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
                 self.params
             )
+        self._build_programs()
         self._grads = self._zeros_like_params()
         self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
         self.step = 0
         self.rng = jax.random.key(cfg.seed)
-        self._build_programs()
         self.checkpointer = (
             Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.async_checkpoint)
             if cfg.checkpoint_dir
@@ -119,17 +125,15 @@ class Learner:
     # ---- compiled programs -------------------------------------------------------------------
 
     def _zeros_like_params(self) -> Any:
-        if not hasattr(self, "_zeros"):
-            self._zeros = jax.jit(
-                lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-                out_shardings=self.param_shardings,
-            )
         return self._zeros(self.params)
 
     def _build_programs(self) -> None:
         ps, rep, bs = self.param_shardings, self._replicated, self._batch_sharding
         batch_s = {name: bs for name in BATCH_FIELDS}
         ref_s = ps if self.ref_params is not None else None
+        self._zeros = jax.jit(
+            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), out_shardings=ps
+        )
         self._micro = jax.jit(
             self._micro_step,
             in_shardings=(ps, ref_s, ps, rep, batch_s),

@@ -89,6 +89,10 @@ def test_bad_batches_fail_with_clear_errors():
     with pytest.raises(TypeError, match="PackedBatch or a mapping"):
         learner.train_step([np.zeros((8, 32))])
     assert learner.step == 0  # nothing was applied
+    with pytest.raises(TypeError, match=r"NNX module.*got dict"):
+        Learner({"w": np.zeros(3)}, LearnerConfig())
+    with pytest.raises(TypeError, match="LearnerConfig, got dict"):
+        Learner(tiny_model(), {"learning_rate": 1e-3})
     # A bad micro-batch after good ones leaves no partial gradient behind.
     batches = random_step(seed=4, count=6, buckets=SMALL)
     with pytest.raises(ValueError, match="missing arrays"):
