@@ -91,13 +91,11 @@ def test_smoke_runs_the_whole_loop(tmp_path: Path, loop: str) -> None:
             "select substr(rollout_id, 1, 2), max(policy_version) from calls group by 1"
         ).fetchall()
     )
-    assert versions == {
-        "s0": 0,
-        "s1": 1,
-        "e0": 0,
-        "e1": 1,
-        "e2": 2,
-    }  # every swap reached the server
+    # Every swap reached the server. Async: step 2's runs start while step 1 updates, so their
+    # calls are served by policy 0 or 1.
+    s1 = {0, 1} if loop == "async" else {1}
+    assert versions.pop("s1") in s1
+    assert versions == {"s0": 0, "e0": 0, "e1": 1, "e2": 2}
     n_calls, n_ids = db.execute(
         "select count(*), sum(length(prompt_token_ids) > 2) from calls"
     ).fetchone()
