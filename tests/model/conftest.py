@@ -31,6 +31,9 @@ def torch_causal_lm(
     import transformers
     from transformers.initialization import no_init_weights
 
+    # One thread: OpenMP spin-waiting makes multi-threaded torch crawl when other jobs share the
+    # cores (a 32-token generate went from minutes to seconds); on an idle machine it costs little.
+    torch.set_num_threads(1)
     config = transformers.AutoConfig.for_model(**hf_config)
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
