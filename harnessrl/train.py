@@ -69,7 +69,7 @@ class Run:
     tokenizer: Any
     nonce: str  # distinguishes this process's rollout ids from an interrupted run's
     position: dict[str, Any]  # resume bookkeeping saved with each checkpoint
-    started: float = dataclasses.field(default_factory=time.monotonic)
+    started: float  # time.monotonic() at process start: model loading counts against the budget
     minutes_before: float = 0.0  # wall minutes of interrupted attempts before this one
     last_eval_s: float = 0.0
 
@@ -111,7 +111,7 @@ def make_launcher(cfg: TrainConfig) -> Launcher:
     )
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, started: float) -> Run:
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
@@ -136,7 +136,7 @@ def setup(cfg: TrainConfig) -> Run:
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
     return Run(
         cfg, out, store, learner, server, sidecar, make_launcher(cfg), log, train_tasks,
-        eval_tasks, tokenizer, uuid.uuid4().hex[:6], position,
+        eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
     )  # fmt: skip
 
 
@@ -399,6 +399,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     _set_device_flags(argv)
     cfg = parse_args(argv)
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if fresh:
         clear_outputs(Path(cfg.run.out_dir))
     signal.signal(signal.SIGTERM, _interrupt)  # a killed job shuts down like Ctrl-C
-    run = setup(cfg)
+    run = setup(cfg, started)
     try:
         if not fresh:
             resume(run)
