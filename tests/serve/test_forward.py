@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,20 @@ CFG = ModelConfig.tiny(vocab_size=64)
 SLOTS, MAX_LEN = 3, 32
 
 
+def _jit(fn, *static):
+    """Run `fn(model, ...)` compiled (eager op-by-op dispatch is slow on a busy CPU)."""
+
+    @functools.partial(jax.jit, static_argnums=(0, *static))
+    def run(graphdef, state, *args):
+        return fn(nnx.merge(graphdef, state), *args)
+
+    return lambda model, *args: run(*nnx.split(model), *args)
+
+
+_decode = _jit(lambda m, t, p, c: m.decode(t, p, c))
+_serve = _jit(lambda m, t, p, c, r, n: serve_step(m, t, p, c, r, n), 6)
+
+
 def _cache(seed: int) -> KVCache:
     shape = (CFG.num_layers, SLOTS, MAX_LEN, CFG.num_kv_heads, CFG.head_dim)
     k, v = jax.random.normal(jax.random.key(seed), (2, *shape))
@@ -25,8 +41,8 @@ def test_batched_step_matches_decoder_decode():
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     tokens = jnp.asarray([[5], [7], [9]], jnp.int32)
     positions = jnp.asarray([[3], [-1], [10]], jnp.int32)  # slot 1 idle
-    want_logits, want = model.decode(tokens, positions, _cache(0))
-    logits, got = serve_step(model, tokens, positions, _cache(0), None, 16)
+    want_logits, want = _decode(model, tokens, positions, _cache(0))
+    logits, got = _serve(model, tokens, positions, _cache(0), None, 16)
     active = [0, 2]  # an idle row's logits are garbage by contract
     np.testing.assert_allclose(
         np.asarray(logits)[active], np.asarray(want_logits[:, 0])[active], atol=1e-5
@@ -42,7 +58,7 @@ def test_one_row_chunk_matches_decode_of_that_row():
     positions = jnp.asarray([[0, 1, 2, -1]], jnp.int32)
     cache = _cache(1)
     row = KVCache(k_lbske=cache.k_lbske[:, 2:3], v_lbske=cache.v_lbske[:, 2:3])
-    want_logits, want_row = model.decode(tokens, positions, row)
+    want_logits, want_row = _decode(model, tokens, positions, row)
     x, got = cached_forward(model, tokens, positions, cache, jnp.int32(2), 4)
     np.testing.assert_allclose(
         np.asarray(model.logits(x))[0, :3], np.asarray(want_logits)[0, :3], atol=1e-5
@@ -66,8 +82,8 @@ def test_subclass_with_its_own_decode_is_served_through_it():
         jnp.asarray([[5], [7], [9]], jnp.int32),
         jnp.asarray([[3], [4], [5]], jnp.int32),
     )
-    own, own_cache = serve_step(model, tokens, positions, _cache(2), None, 16)
-    base, base_cache = serve_step(plain, tokens, positions, _cache(2), None, 16)
+    own, own_cache = _serve(model, tokens, positions, _cache(2), None, 16)
+    base, base_cache = _serve(plain, tokens, positions, _cache(2), None, 16)
     np.testing.assert_allclose(np.asarray(own), np.asarray(base) + 1.0, atol=1e-5)
     np.testing.assert_allclose(
         np.asarray(own_cache.k_lbske), np.asarray(base_cache.k_lbske), atol=1e-6
