@@ -18,7 +18,7 @@ Serving:  `logits_btv, cache = model.decode(tokens_bt, positions_bt, cache)`
   reused without clearing, because a new sequence overwrites every index it reads.
 
 Layers are stacked (`layers` leading axis) and run with `jax.lax.scan`, so compile time does not
-grow with depth. Every parameter carries logical axis names; `harnessrl/learner/mesh.py` maps
+grow with depth; call the model under `nnx.jit` (an eager call re-traces the scan every time). Every parameter carries logical axis names; `harnessrl/learner/mesh.py` maps
 them onto a mesh. Created under `jax.set_mesh(mesh)` the parameters are sharded eagerly;
 created without a mesh they are plain arrays.
 """
