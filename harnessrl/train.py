@@ -302,10 +302,11 @@ def train(run: Run) -> None:
     first, loop_start = int(run.position["step"]), time.monotonic()
     try:
         for step in range(first, cfg.steps):
+            done = step - first
+            last = step + 1 == cfg.steps or (done > 0 and not time_for_two(run, done, loop_start))
             run.log.phase(f"step {step + 1}: rollouts", completed=step)
             rollouts = (pending or pool.submit(collect, run, step)).result()
             pending = None
-            last = step + 1 == cfg.steps or not time_for_another(run, step + 1 - first, loop_start)
             if cfg.loop == "async" and cfg.max_staleness > 0 and not last:
                 pending = pool.submit(collect, run, step + 1)  # runs while this step updates
             run.log.phase(f"step {step + 1}: update")
@@ -326,17 +327,20 @@ def train(run: Run) -> None:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def time_for_another(run: Run, done: int, loop_start: float) -> bool:
-    """Whether one more step and the final eval fit in run.max_minutes (0: no limit)."""
+def time_for_two(run: Run, done: int, loop_start: float) -> bool:
+    """Whether this step, one more, and the final eval fit in run.max_minutes (0: no limit).
+
+    When they do not, this step is the last: it ends with the final eval and a checkpoint.
+    """
     budget = run.cfg.run.max_minutes
     if not budget:
         return True
     step_s = (time.monotonic() - loop_start) / max(1, done)
-    needed = minutes(run) + (step_s + run.last_eval_s) / 60
+    needed = minutes(run) + (2 * step_s + run.last_eval_s) / 60
     if needed <= budget:
         return True
     run.log.console.print(
-        f"stopping after step {int(run.position['step']) + 1}: another step and the final eval "
+        f"step {int(run.position['step']) + 1} is the last: one more step and the final eval "
         f"would end at {needed:.1f} min, past run.max_minutes={budget:g}"
     )
     return False

@@ -153,11 +153,11 @@ def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(tmp_path: Path) ->
     assert FINAL.match(again.stdout.strip().splitlines()[-1])
 
 
-def test_time_budget_stops_before_a_step_that_would_overrun() -> None:
+def test_time_budget_makes_the_step_that_cannot_be_followed_the_last() -> None:
     import types
 
     from harnessrl.config import load_config
-    from harnessrl.train import time_for_another
+    from harnessrl.train import time_for_two
 
     printed: list[str] = []
     console = types.SimpleNamespace(print=printed.append)
@@ -174,7 +174,7 @@ def test_time_budget_stops_before_a_step_that_would_overrun() -> None:
         )
 
     loop_start = time.monotonic() - 120  # 3 steps took 2 minutes: 40 s a step
-    assert time_for_another(run_with(18.0, 10.0, 30.0), 3, loop_start)
-    assert not time_for_another(run_with(18.0, 17.0, 30.0), 3, loop_start)
-    assert "past run.max_minutes=18" in printed[-1]
-    assert time_for_another(run_with(0.0, 500.0, 30.0), 3, loop_start)  # 0: no budget
+    assert time_for_two(run_with(18.0, 10.0, 30.0), 3, loop_start)  # 10 + (80 + 30) / 60 min
+    assert not time_for_two(run_with(18.0, 16.5, 30.0), 3, loop_start)
+    assert "step 4 is the last" in printed[-1] and "run.max_minutes=18" in printed[-1]
+    assert time_for_two(run_with(0.0, 500.0, 30.0), 3, loop_start)  # 0: no budget
