@@ -7,15 +7,22 @@ Training / scoring:  `logits_btv = model(tokens_bt, positions_bt, segment_ids_bt
   Packed rows: a token attends to earlier tokens (in row order) of its own segment only; positions
   restart at 0 per segment and drive RoPE; segment id 0 marks padding (its logits are garbage).
 
-Serving:  `logits_btv, cache = model.decode(tokens_bt, positions_bt, cache)`
-  `cache = KVCache.create(cfg, slots=B, max_len=S)`: row b of the cache is serving slot b and
-  cache index s holds the keys/values of the token at position s of the sequence in that slot.
-  A call writes the K/V of `tokens_bt[b, i]` at index `positions_bt[b, i]` of row b, then each
-  query attends to the row's cache entries at indices <= its own position. Rows are independent:
-  one call can prefill one slot (t = prompt chunk) while other rows decode or idle. Pad a row, or
-  the tail of a chunk, with position -1: nothing is written and its logits are to be ignored.
-  Positions of a slot must be written contiguously from 0 before they are attended to; a slot is
-  reused without clearing, because a new sequence overwrites every index it reads.
+Serving:  `logits_btv, cache = model.decode(tokens_bt, positions_bt, cache, *, slot, length, last)`
+  `cache = KVCache.create(cfg, slots=S, max_len=M)`: row s of the cache is serving slot s and
+  cache index m holds the keys/values of the token at position m of the sequence in that slot.
+  A call writes the K/V of `tokens_bt[b, i]` at index `positions_bt[b, i]` of its slot, then each
+  query attends to the slot's cache entries at indices <= its own position. Pad a row, or the tail
+  of a chunk, with position -1: nothing is written and its logits are to be ignored. Positions of
+  a slot must be written contiguously from 0 before they are attended to; a slot is reused
+  without clearing, because a new sequence overwrites every index it reads.
+  - `slot=None` (default): batch row b is slot b (b == S). Rows are independent: one call can
+    prefill one slot (t = prompt chunk) while other rows decode or idle.
+    `slot=j` (int or traced int32 scalar): the batch is one row (b == 1), written to slot j.
+  - `length` (static int, default M): attend over cache indices < length only, so a step costs
+    what its longest sequence needs; every position in the call must be < length.
+  - `last` (traced int, default None): logits only at index `last` of each row: `[b, 1, vocab]`.
+  The cache is carried through the layer loop and written by a scatter: under `jax.jit` with the
+  cache donated, XLA updates it in place instead of copying every layer's cache each step.
 
 Layers are stacked (`layers` leading axis) and run with `jax.lax.scan`, so compile time does not
 grow with depth; call the model under `nnx.jit` (an eager call re-traces the scan every time). Every parameter carries logical axis names; `harnessrl/learner/mesh.py` maps
@@ -54,12 +61,34 @@ class KVCache:
         if slots <= 0 or max_len <= 0:
             raise ValueError(f"KVCache needs slots > 0 and max_len > 0, got {slots=}, {max_len=}")
         shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-        zeros = jnp.zeros(shape, cfg.compute_jnp_dtype)
-        return cls(k_lbske=zeros, v_lbske=zeros)
+        # Two buffers, not one shared: a donated cache may not donate the same buffer twice.
+        return cls(
+            k_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
+            v_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
+        )
 
     @property
     def max_len(self) -> int:
         return self.k_lbske.shape[2]
+
+    @property
+    def slots(self) -> int:
+        return self.k_lbske.shape[1]
+
+    def check_step(self, rows: int, slot: object, length: int) -> None:
+        """Reject a `Decoder.decode` call whose batch, slot or length does not fit this cache."""
+        if slot is None and rows != self.slots:
+            raise ValueError(
+                f"tokens have {rows} rows but the cache has {self.slots} slots; pass rows == "
+                "slots, or one row with slot=<its cache slot>"
+            )
+        if slot is not None and rows != 1:
+            raise ValueError(f"decode with slot={slot!r} takes one row, got {rows} rows")
+        if not isinstance(length, int) or not 0 < length <= self.max_len:
+            raise ValueError(
+                f"decode length={length!r} must be a static int in 1..{self.max_len} "
+                "(the cache's max_len)"
+            )
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
@@ -209,34 +238,49 @@ class Decoder(nnx.Module):
         return self.logits(x_btd)
 
     def decode(
-        self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        cache: KVCache,
+        *,
+        slot: int | jax.Array | None = None,
+        length: int | None = None,
+        last: int | jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Serving step over cache slots; see the module docstring for the exact contract."""
         cfg = self.cfg
         b, t = tokens_bt.shape
-        if cache.k_lbske.shape[1] != b:
-            raise ValueError(
-                f"tokens have {b} rows but the cache has {cache.k_lbske.shape[1]} slots"
-            )
+        length = cache.max_len if length is None else length
+        cache.check_step(b, slot, length)
         cos_bte, sin_bte = attn.rope_tables(positions_bt, attn.rope_inv_freq(cfg))
-        mask_bts = attn.cache_mask(positions_bt, cache.max_len)
+        mask_bts = attn.cache_mask(positions_bt, length)
         # Position -1 (padding) becomes an out-of-range index, which the scatter drops.
         write_bt = jnp.where(positions_bt >= 0, positions_bt, cache.max_len)
-        rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        first = 0 if slot is None else slot
+        slots_bt = jnp.broadcast_to(first + jnp.arange(b)[:, None], (b, t))
+        window = (1, b, length, cfg.num_kv_heads, cfg.head_dim)
 
-        def layer(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            w, k_bske, v_bske = xs
+        def layer(carry: tuple[jax.Array, ...], xs: tuple) -> tuple[tuple[jax.Array, ...], None]:
+            # The whole cache is the carry, so each layer's scatter updates it in place.
+            x_btd, k_lbske, v_lbske = carry
+            w, i = xs
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
             q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, cos_bte, sin_bte)
-            k_bske = k_bske.at[rows_bt, write_bt].set(k_btke.astype(k_bske.dtype), mode="drop")
-            v_bske = v_bske.at[rows_bt, write_bt].set(v_btke.astype(v_bske.dtype), mode="drop")
-            o_bthe = attn.attend(
-                q_bthe, k_bske.astype(x_btd.dtype), v_bske.astype(x_btd.dtype), mask_bts
+            at = (jnp.full_like(slots_bt, i), slots_bt, write_bt)
+            k_lbske = k_lbske.at[at].set(k_btke.astype(k_lbske.dtype), mode="drop")
+            v_lbske = v_lbske.at[at].set(v_btke.astype(v_lbske.dtype), mode="drop")
+            k_bske, v_bske = (
+                jax.lax.dynamic_slice(c, (i, first, 0, 0, 0), window)[0].astype(x_btd.dtype)
+                for c in (k_lbske, v_lbske)
             )
-            return block_tail(cfg, w, x_btd, o_bthe), (k_bske, v_bske)
+            o_bthe = attn.attend(q_bthe, k_bske, v_bske, mask_bts)
+            return (block_tail(cfg, w, x_btd, o_bthe), k_lbske, v_lbske), None
 
-        xs = (self.layers.stacked(), cache.k_lbske, cache.v_lbske)
-        x_btd, (k_lbske, v_lbske) = jax.lax.scan(layer, self.embed(tokens_bt), xs)
+        carry = (self.embed(tokens_bt), cache.k_lbske, cache.v_lbske)
+        xs = (self.layers.stacked(), jnp.arange(cfg.num_layers))
+        (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(layer, carry, xs)
+        if last is not None:  # the vocab projection only where a token is sampled
+            x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
         return self.logits(x_btd), KVCache(k_lbske=k_lbske, v_lbske=v_lbske)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:

@@ -17,7 +17,6 @@ from flax import nnx
 
 from harnessrl.model.decoder import Decoder, KVCache
 from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.forward import serve_step
 from harnessrl.serve.sampling import SamplingParams, sample_tokens
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
@@ -38,17 +37,8 @@ class DeviceSteps:
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
         device = jax.tree.leaves(self.state)[0].sharding
         device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
-        shape = (
-            cfg.num_layers,
-            config.num_slots,
-            config.max_model_len,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        # Two separate buffers: the cache is donated, and one buffer may not be donated twice.
-        self.cache = KVCache(
-            k_lbske=jax.device_put(jnp.zeros(shape, cfg.compute_jnp_dtype), device),
-            v_lbske=jax.device_put(jnp.zeros(shape, cfg.compute_jnp_dtype), device),
+        self.cache = jax.device_put(
+            KVCache.create(cfg, slots=config.num_slots, max_len=config.max_model_len), device
         )
         self.traces = 0
         self._decode = jax.jit(
@@ -90,10 +80,10 @@ class DeviceSteps:
         # Attends over the first `length` cache positions only: a step then costs what the
         # longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
-        logits_sv, cache = serve_step(
-            model, tokens_s[:, None], positions_s[:, None], cache, None, length
+        logits_s1v, cache = model.decode(
+            tokens_s[:, None], positions_s[:, None], cache, length=length
         )
-        return (cache, *sample_tokens(logits_sv, *sampling))
+        return (cache, *sample_tokens(logits_s1v[:, 0], *sampling))
 
     def _prefill_fn(
         self,
@@ -107,10 +97,10 @@ class DeviceSteps:
     ) -> tuple[KVCache, jax.Array]:
         # One slot's row only, so a chunk costs its own tokens; logits only for the last one.
         model = nnx.merge(self.graphdef, state, self._rest)
-        logits_1v, cache = serve_step(
-            model, tokens_c[None], positions_c[None], cache, slot, length, last
+        logits_11v, cache = model.decode(
+            tokens_c[None], positions_c[None], cache, slot=slot, length=length, last=last
         )
-        return cache, logits_1v[0]
+        return cache, logits_11v[0, 0]
 
     def _copy_fn(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         def copy(x_lbske: jax.Array) -> jax.Array:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,9 @@ FAMILIES = {
 # Jitted entry points: eager calls would re-trace and re-compile the layer scan every time.
 _forward = nnx.jit(lambda m, t, p, s=None: m(t, p, s))
 _decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+# One slot's chunk attending over the first 8 cache positions, logits at index `last` only.
+_decode_slot = nnx.jit(lambda m, t, p, c, s, last: m.decode(t, p, c, slot=s, length=8, last=last))
+_decode_8 = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, length=8))
 
 
 def _model(**kw: object) -> Decoder:
@@ -86,6 +90,53 @@ def test_cache_rows_are_independent_and_padding_is_ignored() -> None:
     np.testing.assert_allclose(logits[1, 0], want[0, -1], atol=1e-5)
 
 
+def test_one_slot_chunk_and_short_length_match_full_forward() -> None:
+    model = _model()
+    rng = np.random.default_rng(4)
+    seq = jnp.asarray(rng.integers(0, 128, (1, 7)), jnp.int32)
+    full = _forward(model, seq, jnp.arange(7)[None])
+    # Every slot starts with stale random entries: only the written ones may change.
+    shape = (model.cfg.num_layers, 3, 16, model.cfg.num_kv_heads, model.cfg.head_dim)
+    k, v = jax.random.normal(jax.random.key(0), (2, *shape))
+    before = KVCache(k_lbske=k, v_lbske=v)
+    # Prefill 6 tokens into slot 2 as a chunk of 8 padded with -1; logits of token 5 only.
+    tokens = jnp.pad(seq[:, :6], ((0, 0), (0, 2)))
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5, -1, -1]], jnp.int32)
+    logits, cache = _decode_slot(model, tokens, positions, before, jnp.int32(2), jnp.int32(5))
+    assert logits.shape == (1, 1, 128)
+    np.testing.assert_allclose(logits[0, 0], full[0, 5], atol=1e-5)
+    for got, old in ((cache.k_lbske, k), (cache.v_lbske, v)):
+        np.testing.assert_array_equal(got[:, :2], old[:, :2])
+        np.testing.assert_array_equal(got[:, 2, 6:], old[:, 2, 6:])
+        assert not np.allclose(got[:, 2, :6], old[:, 2, :6])
+    # A batched step over all slots, attending over 8 positions: slot 2 decodes token 6.
+    nxt = jnp.asarray([[0], [0], [seq[0, 6]]], jnp.int32)
+    logits_8, cache_8 = _decode_8(model, nxt, jnp.asarray([[-1], [-1], [6]], jnp.int32), cache)
+    np.testing.assert_allclose(logits_8[2, 0], full[0, 6], atol=1e-5)
+    logits_16, cache_16 = _decode(model, nxt, jnp.asarray([[-1], [-1], [6]], jnp.int32), cache)
+    np.testing.assert_allclose(logits_8[2], logits_16[2], atol=1e-6)
+    np.testing.assert_array_equal(cache_8.k_lbske, cache_16.k_lbske)
+    np.testing.assert_array_equal(cache_8.v_lbske, cache_16.v_lbske)
+
+
+def test_donated_cache_is_updated_in_place() -> None:
+    model = _model()
+    graphdef, state = nnx.split(model)
+    step = jax.jit(
+        lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c, length=4), donate_argnums=3
+    )
+    cache = KVCache.create(model.cfg, slots=2, max_len=8)
+    pointers = (cache.k_lbske.unsafe_buffer_pointer(), cache.v_lbske.unsafe_buffer_pointer())
+    tokens, positions = jnp.asarray([[3], [4]], jnp.int32), jnp.asarray([[0], [-1]], jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "donated buffers were not usable" would fail here
+        _, new = step(state, tokens, positions, cache)
+    assert cache.k_lbske.is_deleted() and cache.v_lbske.is_deleted()
+    assert (new.k_lbske.unsafe_buffer_pointer(), new.v_lbske.unsafe_buffer_pointer()) == pointers
+    assert np.abs(np.asarray(new.k_lbske[:, 0, 0])).sum() > 0
+    assert not np.asarray(new.k_lbske[:, 1]).any() and not np.asarray(new.k_lbske[:, 0, 1:]).any()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_equals_unpacked(family: str) -> None:
     model = _model(**FAMILIES[family])
@@ -136,6 +187,15 @@ def test_bad_cache_arguments_raise() -> None:
     cache = KVCache.create(model.cfg, slots=3, max_len=4)
     with pytest.raises(ValueError, match="3 slots"):
         _decode(model, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), cache)
+    one, two = jnp.zeros((1, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ValueError, match="slot=1 takes one row, got 2"):
+        model.decode(two, two, cache, slot=1)
+    for length in (0, 5, 2.0):
+        with pytest.raises(ValueError, match=f"length={length!r} must be a static int in 1..4"):
+            model.decode(
+                jnp.zeros((3, 1), jnp.int32), jnp.zeros((3, 1), jnp.int32), cache, length=length
+            )
+    assert model.decode(one, one, cache, slot=2, length=4)[0].shape == (1, 1, 128)
 
 
 def test_params_carry_logical_axes_and_shard_under_a_mesh() -> None:

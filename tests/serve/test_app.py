@@ -42,8 +42,12 @@ class ScriptedDecoder(Decoder):
         self._script = np.asarray(script, np.int32)
         self._start = start
 
-    def decode(self, tokens_bt, positions_bt, cache):
-        logits_btv, cache = super().decode(tokens_bt, positions_bt, cache)
+    def decode(self, tokens_bt, positions_bt, cache, *, slot=None, length=None, last=None):
+        logits_btv, cache = super().decode(
+            tokens_bt, positions_bt, cache, slot=slot, length=length, last=last
+        )
+        if last is not None:  # logits of the token at index `last` only
+            positions_bt = positions_bt[:, last, None]
         index_bt = positions_bt + 1 - self._start  # logits at position p choose token p + 1
         active_bt = (index_bt >= 0) & (index_bt < len(self._script))
         want_bt = jnp.asarray(self._script)[jnp.clip(index_bt, 0, len(self._script) - 1)]
