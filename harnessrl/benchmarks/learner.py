@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harnessrl.benchmarks.model import flops_per_token
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
-from harnessrl.model.config import ModelConfig
 
 VARIANTS = {
     "fp32": dict(compute_dtype="float32"),
@@ -59,19 +59,6 @@ def matmul_peak(dtype: str, size: int = 2048, repeats: int = 10) -> Rate:
     f(a, a).block_until_ready()
     runs = [measure(lambda: f(a, a).block_until_ready(), 2 * size**3, repeats) for _ in range(3)]
     return Rate(max(r.wall for r in runs), max(r.cpu for r in runs))
-
-
-def flops_per_token(cfg: ModelConfig, length: int) -> float:
-    d, f, h, k, e = (
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-    )
-    per_layer = d * h * e * 2 + d * k * e * 2 + 3 * d * f  # q, o, k, v, gate/up/down
-    matmul_params = cfg.num_layers * per_layer + d * cfg.vocab_size  # + LM head
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * h * e * length
 
 
 def packed_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
