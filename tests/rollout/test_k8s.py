@@ -6,7 +6,6 @@ The official client talks real HTTP to the fake; the fake plays Job controller a
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import subprocess
 import sys
 import threading
@@ -167,13 +166,14 @@ def test_concurrency_limit_and_creation_rate_limit() -> None:
         assert all(r.state is RolloutState.SUCCEEDED for r in results)
         assert kube.max_alive <= 2
     with fake.FakeKube(lambda job: fake.Outcome("complete", 0.05, log="3")) as kube:
-        results = launcher(kube, concurrency=10, creates_per_s=10.0).run(specs)
+        results = launcher(kube, concurrency=10, creates_per_s=4.0).run(specs)
         assert all(r.state is RolloutState.SUCCEEDED for r in results)
         times = [t for t, _ in kube.created]
-    # Measured where the API server sees them (network jitter included): 6 creates at 10/s
-    # span at least 0.5 s, and no two arrive closer than a fraction of the interval.
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert len(times) == 6 and times[-1] - times[0] >= 0.45 and min(gaps) >= 0.03
+    # Measured where the API server sees them, so request latency on a loaded machine shifts
+    # single arrivals: 6 creates at 4/s span 1.25 s nominally (an unthrottled launcher needs a
+    # few ms), and no window of one interval holds three of them.
+    assert len(times) == 6 and times[-1] - times[0] >= 1.0
+    assert all(c - a >= 0.25 for a, c in zip(times, times[2:], strict=False))
 
 
 def test_api_errors_fail_the_run_or_are_retried() -> None:
