@@ -23,6 +23,7 @@ from harnessrl.serve.config import ServeConfig
 
 LOOP_MODES = ("sync", "async")
 LAUNCHERS = ("local", "kubernetes")
+WEIGHT_SYNCS = ("vllm", "embedded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,7 @@ class RunConfig:
     loop: str = "sync"  # sync: rollouts → update → swap; async: next rollouts overlap the update
     max_staleness: int = 1  # async: most policy versions a trained sample may lag behind
     eval_every: int = 5  # held-out eval every N steps (and always before step 1 and at the end)
-    max_minutes: float = 18.0  # time budget: stop before a step that would overrun it; 0 = none
+    max_minutes: float = 13.0  # time budget: stop before a step that would overrun it; 0 = none
     resume: bool = True  # continue from the last checkpoint in out_dir when there is one
     export_hf: bool = True  # write an HF safetensors folder of the final weights
     display: bool = True  # live rich progress table (plain log lines when off or not a TTY)
@@ -61,6 +62,15 @@ class RolloutConfig:
     launcher: str = "local"  # local | kubernetes
     image: str = ""  # kubernetes: the harness container image
     namespace: str = "harnessrl"  # kubernetes: namespace of the harness Jobs
+    # Where traces go: "" = SQLite in out_dir. Kubernetes: a postgresql:// URL, the same one the
+    # harness pods' sidecars write to (Secret harnessrl-store).
+    store: str = ""
+    # Inference servers, comma-separated: "" = the embedded server in this process. Otherwise
+    # each push exports the weights to out_dir/weights (shared storage) and the servers load them.
+    servers: str = ""
+    weight_sync: str = "vllm"  # with servers: vllm (VLLM_SERVER_DEV_MODE=1) | embedded
+    sidecar_image: str = ""  # kubernetes: the capture sidecar image ("" = the release image)
+    sidecar_port: int = 8080  # kubernetes: the sidecar's port inside each harness pod
     tasks: str = "builtin:addition"  # builtin:addition or a JSONL task file
     eval_tasks: str = ""  # JSONL of held-out tasks (builtin:addition makes its own split)
     num_train_tasks: int = 300  # builtin:addition sizes
@@ -75,6 +85,23 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check_choice("rollout.launcher", self.launcher, LAUNCHERS)
+        _check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _check_min("rollout.sidecar_port", self.sidecar_port, 1)
+        if self.launcher == "kubernetes":
+            if not self.image:
+                raise ValueError(
+                    "rollout.launcher=kubernetes needs rollout.image (the harness image)"
+                )
+            if not self.store.startswith(("postgresql://", "postgres://")):
+                raise ValueError(
+                    "rollout.launcher=kubernetes needs rollout.store=postgresql://... (the trace "
+                    f"store the harness pods' sidecars write to), got {self.store!r}"
+                )
+            if not self.servers:
+                raise ValueError(
+                    "rollout.launcher=kubernetes needs rollout.servers (the inference servers the "
+                    "pods' sidecars forward to, e.g. http://vllm.harnessrl.svc.cluster.local:8000)"
+                )
         for name in ("num_train_tasks", "num_eval_tasks", "tasks_per_step", "group_size"):
             _check_min(f"rollout.{name}", getattr(self, name), 1)
         for name in ("eval_runs_per_task", "concurrency"):

@@ -37,16 +37,26 @@ from typing import Any  # noqa: E402
 
 from harnessrl.config import TrainConfig, describe, load_config  # noqa: E402
 from harnessrl.data.pipeline import StepTraces, build_step  # noqa: E402
+from harnessrl.learner.hosts import LeadLearner, follow  # noqa: E402
+from harnessrl.learner.mesh import init_distributed  # noqa: E402
 from harnessrl.learner.step import Learner  # noqa: E402
 from harnessrl.model import export  # noqa: E402
 from harnessrl.rollout.builtin_tasks import addition_tasks  # noqa: E402
 from harnessrl.rollout.evaluators import get_evaluator  # noqa: E402
+from harnessrl.rollout.fleet import (  # noqa: E402
+    Capture,
+    EmbeddedServing,
+    LocalCapture,
+    PodCapture,
+    Serving,
+    remote_serving,
+)
 from harnessrl.rollout.local import LocalLauncher, LocalLauncherConfig, parse_command  # noqa: E402
 from harnessrl.rollout.metrics import MetricsLog, plot_rewards, read_metrics  # noqa: E402
 from harnessrl.rollout.round import RoundResult, plan_round, run_round, sample_tasks  # noqa: E402
 from harnessrl.rollout.services import SidecarProcess, copy_model, load_policy  # noqa: E402
 from harnessrl.rollout.tasks import Launcher, Task, load_tasks  # noqa: E402
-from harnessrl.serve.app import ServerHandle, start_server  # noqa: E402
+from harnessrl.serve.app import start_server  # noqa: E402
 from harnessrl.traces import open_store  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -59,9 +69,9 @@ class Run:
     cfg: TrainConfig
     out: Path
     store: Any
-    learner: Learner
-    server: ServerHandle
-    sidecar: SidecarProcess
+    learner: LeadLearner  # on multi-process runs, every call is made by all processes
+    serving: Serving  # the embedded server, or remote servers fed through shared storage
+    capture: Capture  # this process's sidecar, or the sidecars of the harness pods
     launcher: Launcher
     log: MetricsLog
     train_tasks: list[Task]
@@ -95,12 +105,17 @@ def make_launcher(cfg: TrainConfig) -> Launcher:
     r = cfg.rollout
     if r.launcher == "kubernetes":
         from harnessrl.rollout.k8s import KubernetesLauncher, KubernetesLauncherConfig
+        from proxy_sidecar.webhook import SidecarSpec
 
+        sidecar = SidecarSpec(upstream=r.servers, port=r.sidecar_port)
+        if r.sidecar_image:
+            sidecar = dataclasses.replace(sidecar, image=r.sidecar_image)
         return KubernetesLauncher(
             KubernetesLauncherConfig(
                 image=r.image,
                 command=harness_command(cfg),
                 namespace=r.namespace,
+                sidecar=sidecar,
                 concurrency=r.concurrency,
             )
         )
@@ -118,26 +133,59 @@ def setup(cfg: TrainConfig, started: float) -> Run:
     train_tasks, eval_tasks = load_task_sets(cfg)
     get_evaluator(cfg.rollout.evaluator)  # fail on a bad name before anything starts
     model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)
-    learner_cfg = cfg.learner
-    if learner_cfg.checkpoint_dir is None:
-        learner_cfg = learner_cfg.replace(checkpoint_dir=str((out / "checkpoints").absolute()))
-    learner = Learner(model, learner_cfg)
-    store_url = f"sqlite:///{(out / 'traces.db').absolute()}"
+    learner = LeadLearner(make_learner(cfg, model))
+    store_url = cfg.rollout.store or f"sqlite:///{(out / 'traces.db').absolute()}"
     store = open_store(store_url)
-    server = start_server(copy_model(model), tokenizer, cfg.serve)
+    launcher = make_launcher(cfg)
+    serving = start_serving(cfg, model, tokenizer, out)
     try:
-        sidecar = SidecarProcess(
-            server.url, store_url, cfg.sidecar, out / "sidecar.log", cfg.serve.model_name
-        )
+        capture = start_capture(cfg, launcher, serving.url, store_url, out)
     except BaseException:
-        server.stop()  # nothing may outlive a failed start
+        serving.stop()  # nothing may outlive a failed start
         raise
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
     return Run(
-        cfg, out, store, learner, server, sidecar, make_launcher(cfg), log, train_tasks,
+        cfg, out, store, learner, serving, capture, launcher, log, train_tasks,
         eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
     )  # fmt: skip
+
+
+def make_learner(cfg: TrainConfig, model: Any) -> Learner:
+    learner_cfg = cfg.learner
+    if learner_cfg.checkpoint_dir is None:
+        folder = Path(cfg.run.out_dir) / "checkpoints"
+        learner_cfg = learner_cfg.replace(checkpoint_dir=str(folder.absolute()))
+    return Learner(model, learner_cfg)
+
+
+def follow_leader(cfg: TrainConfig) -> int:
+    """Processes > 0 of a multi-process learner: hold shards, make process 0's learner calls."""
+    import jax
+
+    model, _ = load_policy(cfg.serve.model, seed=cfg.run.seed)
+    print(f"process {jax.process_index()}: following process 0", flush=True)
+    steps = follow(make_learner(cfg, model))
+    print(f"process {jax.process_index()}: done at learner step {steps}", flush=True)
+    return 0
+
+
+def start_serving(cfg: TrainConfig, model: Any, tokenizer: Any, out: Path) -> Serving:
+    r = cfg.rollout
+    if r.servers:
+        return remote_serving(r.servers, r.weight_sync, (out / "weights").absolute(), tokenizer)
+    return EmbeddedServing(start_server(copy_model(model), tokenizer, cfg.serve))
+
+
+def start_capture(
+    cfg: TrainConfig, launcher: Launcher, upstream: str, store_url: str, out: Path
+) -> Capture:
+    if cfg.rollout.launcher == "kubernetes":  # each harness pod brings its own sidecar
+        return PodCapture(launcher, os.environ.get("HARNESSRL_CONTROL_TOKEN", ""))
+    sidecar = SidecarProcess(
+        upstream, store_url, cfg.sidecar, out / "sidecar.log", cfg.serve.model_name
+    )
+    return LocalCapture(sidecar)
 
 
 def resume(run: Run) -> None:
@@ -155,8 +203,8 @@ def resume(run: Run) -> None:
 def teardown(run: Run) -> None:
     if isinstance(run.launcher, LocalLauncher):
         run.launcher.stop()
-    run.sidecar.stop()
-    run.server.stop()
+    run.capture.stop()
+    run.serving.stop()
     run.learner.close()  # waits for an async checkpoint to be committed
     run.store.close()
     run.log.close()
@@ -173,7 +221,7 @@ def collect(run: Run, step: int) -> RoundResult:
         tasks,
         prefix=f"s{step}-{run.nonce}",
         runs_per_task=r.group_size,
-        base_url=run.sidecar.base_url,
+        base_url=run.capture.base_url,
         timeout_s=r.timeout_s,
         attempt=int(run.position["attempt"]),
     )
@@ -225,7 +273,7 @@ def update(run: Run, step: int, rollouts: RoundResult) -> dict[str, Any]:
         "packing_efficiency": s.efficiency,
         "micro_batches": s.micro_batches,
         "trained_tokens": s.real_tokens,
-        "compiles": run.learner.compile_count + run.server.engine.compile_count,
+        "compiles": run.learner.compile_count + run.serving.compile_count,
         "tokens_per_s": s.real_tokens / t_update if learner_metrics else 0.0,
         "t_rollout": rollouts.duration_s,
         "t_update": t_update,
@@ -235,15 +283,11 @@ def update(run: Run, step: int, rollouts: RoundResult) -> dict[str, Any]:
 
 
 def swap_weights(run: Run) -> float:
-    """New weights into the server while the sidecar holds new calls; returns seconds taken."""
+    """New weights into the servers while the sidecars hold new calls; returns seconds taken."""
     t0 = time.monotonic()
     version = run.learner.step
-    run.sidecar.control("pause", {"drain_timeout_s": 120})
-    try:
-        run.server.engine.swap_params(run.learner.params_state(), version)
-        run.sidecar.control("policy_version", {"version": version})
-    finally:
-        run.sidecar.control("resume")
+    with run.capture.hold(version):
+        run.serving.push(run.learner, version)
     return time.monotonic() - t0
 
 
@@ -255,7 +299,7 @@ def evaluate(run: Run, step: int) -> float:
         run.eval_tasks,
         prefix=f"e{step}-{run.nonce}",
         runs_per_task=r.eval_runs_per_task,
-        base_url=run.sidecar.base_url,
+        base_url=run.capture.base_url,
         timeout_s=r.timeout_s,
         attempt=int(run.position["attempt"]),
     )
@@ -407,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _set_device_flags(argv)
     cfg = parse_args(argv)
+    import jax
+
+    init_distributed()  # multi-process learners: before anything touches a device
+    if jax.process_index() > 0:
+        return follow_leader(cfg)
     fresh = not (cfg.run.resume and has_checkpoint(cfg))
     if fresh:
         clear_outputs(Path(cfg.run.out_dir))

@@ -3,12 +3,16 @@
 It speaks just the batch/v1 Jobs endpoints (create, list, watch, delete) and the core/v1 Pods
 endpoints (list, log) that `KubernetesLauncher` calls through the official client, over real HTTP.
 It plays the Job controller and kubelet too: each created Job gets an outcome chosen by the test
-(`complete`, `fail`, `deadline`, `evict`, `hang`, or an HTTP error on create), applied after a delay.
+(`complete`, `fail`, `deadline`, `evict`, `hang`, or an HTTP error on create), applied after a delay,
+or `run`: the harness container's command really runs, as a local process (`run_locally`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import threading
 import time
 import uuid
@@ -26,13 +30,34 @@ class Outcome:
     exit_code: int = 0
     log: str = ""
     status: int = 422  # for `reject`: the HTTP status the create gets
+    timeout_s: float = 300.0  # for `run`: the local process is killed after this long
+
+
+def run_locally(job: dict[str, Any], timeout_s: float = 300.0) -> tuple[int, str]:
+    """Play kubelet for the Job's harness container: its command, with `$(VAR)` expanded from the
+    container's env as Kubernetes does, runs as a local process; returns (exit code, stdout)."""
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a) for a in container["command"]]
+    proc = subprocess.run(
+        argv,
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 class FakeKube:
     """State of the fake cluster; `decide(job) -> Outcome` picks each Job's fate."""
 
-    def __init__(self, decide: Callable[[dict[str, Any]], Outcome]) -> None:
+    def __init__(
+        self, decide: Callable[[dict[str, Any]], Outcome], pod_ip: str | None = None
+    ) -> None:
         self.decide = decide
+        self.pod_ip = pod_ip  # every pod's IP; None: a distinct loopback address per pod
         self.jobs: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}
@@ -103,10 +128,19 @@ class FakeKube:
                 "labels": {**job["spec"]["template"]["metadata"]["labels"],
                            "batch.kubernetes.io/job-name": name, "job-name": name},
             },
-            "status": {"phase": "Running", "podIP": f"127.0.0.{len(self.pods) % 250 + 2}"},
+            "status": {
+                "phase": "Running",
+                "podIP": self.pod_ip or f"127.0.0.{len(self.pods) % 250 + 2}",
+            },
         }  # fmt: skip
 
     def _settle(self, name: str, outcome: Outcome) -> None:
+        if outcome.kind == "run":
+            job = self.jobs.get(name)
+            if job is None:  # deleted before it started
+                return
+            exit_code, log = run_locally(job, outcome.timeout_s)
+            outcome = Outcome("complete" if exit_code == 0 else "fail", 0, exit_code, log)
         with self.cond:
             job = self.jobs.get(name)
             if job is None:  # deleted meanwhile

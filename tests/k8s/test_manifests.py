@@ -175,9 +175,28 @@ def test_train_config_map_loads_with_the_config_loader(tmp_path: Path) -> None:
     cm = by_kind(base_docs(), "ConfigMap", "harnessrl-train")
     f = tmp_path / "train.yaml"
     f.write_text(cm["data"]["train.yaml"])
-    cfg = load_config(f, ["learner.mesh=v5e-32"])
-    assert cfg.rollout.launcher == "kubernetes"
-    assert cfg.run.out_dir.startswith("/shared/")
+    for path in (
+        "controller/train-job.yaml",
+        "gpu/learner-job.yaml",
+        "gke-tpu/learner-jobset.yaml",
+    ):
+        (doc,) = docs_of((K8S / path).read_text())
+        (train,) = _pod_specs(doc)[0]["containers"]
+        # What Kubernetes hands the process: $(VAR) in args expanded from the container's env.
+        dsn = "postgresql://harnessrl:secret@postgres.harnessrl.svc:5432/traces"
+        args = [a.replace("$(HARNESSRL_STORE_URL)", dsn) for a in train["args"]]
+        env = {e["name"]: e.get("valueFrom", {}) for e in train["env"]}
+        assert env["HARNESSRL_STORE_URL"]["secretKeyRef"]["name"] == "harnessrl-store"
+        assert env["HARNESSRL_CONTROL_TOKEN"]["secretKeyRef"]["name"] == "harnessrl-control"
+        cfg = load_config(f, args)
+        assert cfg.rollout.launcher == "kubernetes" and cfg.rollout.store == dsn
+        assert cfg.rollout.servers and cfg.run.out_dir.startswith("/shared/")
+
+
+def _pod_specs(doc: dict) -> list[dict]:
+    if doc["kind"] == "JobSet":
+        return [j["template"]["spec"]["template"]["spec"] for j in doc["spec"]["replicatedJobs"]]
+    return [doc["spec"]["template"]["spec"]]
 
 
 def test_jobset_schema_is_strict() -> None:
@@ -211,7 +230,7 @@ def test_kubernetes_validate_cli_strict_passes_on_all_files() -> None:
 
 
 def test_every_train_pod_can_launch_harness_jobs() -> None:
-    """The train loop's KubernetesLauncher needs the launcher RBAC and the harness image."""
+    """The train loop's KubernetesLauncher needs the launcher RBAC and the sidecars' token."""
     docs = base_docs()
     role = by_kind(docs, "Role", "harnessrl-launcher")
     jobs_rule = next(r for r in role["rules"] if r["resources"] == ["jobs"])
@@ -233,4 +252,5 @@ def test_every_train_pod_can_launch_harness_jobs() -> None:
         )  # vLLM admits it
         (c,) = pod["spec"]["containers"]
         assert c["command"][:3] == ["python", "-m", "harnessrl.train"]
-        assert any(e["name"] == "HARNESSRL_HARNESS_IMAGE" and e["value"] for e in c["env"])
+        # It pauses the harness pods' sidecars around a push: it needs their control token.
+        assert any(e["name"] == "HARNESSRL_CONTROL_TOKEN" for e in c["env"])
