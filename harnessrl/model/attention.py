@@ -30,8 +30,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [head_dim/2], with optional llama3-style scaling, in float32 like HF."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
+    # Bit-identical to HF's float32 computation: float32 exponents, the power rounded once to
+    # float32, then a float32 reciprocal (numpy's float32 pow is off by up to 2 ulp from it).
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    power = (np.float64(cfg.rope_theta) ** exponent.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / power
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq
