@@ -1,0 +1,86 @@
+"""Who holds calls during a push: the pods' sidecars (PodCapture), with pods coming and going."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from harnessrl.rollout.fleet import PodCapture
+
+
+class Pods:
+    """Stands in for KubernetesLauncher: the sidecar urls of the pods in flight."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.policy_version: int | None = None
+        self.config = SimpleNamespace(sidecar=SimpleNamespace(port=8080))
+
+    def sidecar_urls(self) -> list[str]:
+        return self.urls
+
+
+def capture(pods: Pods, answer: Any) -> tuple[PodCapture, list[tuple[str, str]]]:
+    seen: list[tuple[str, str]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.headers["authorization"] == "Bearer secret"
+        host, action = request.url.host, request.url.path.rsplit("/", 1)[1]
+        seen.append((host, action))
+        return answer(host, action)
+
+    client = httpx.Client(
+        transport=httpx.MockTransport(handle), headers={"Authorization": "Bearer secret"}
+    )
+    return PodCapture(pods, "secret", client=client), seen
+
+
+def test_pauses_every_pod_then_sets_the_version_and_resumes() -> None:
+    pods = Pods(["http://10.0.0.2:8080", "http://10.0.0.3:8080", "http://10.0.0.2:8080"])
+    cap, seen = capture(pods, lambda host, action: httpx.Response(200, json={}))
+    with cap.hold(3):
+        assert seen == [("10.0.0.2", "pause"), ("10.0.0.3", "pause")]
+    assert pods.policy_version == 3  # Jobs created from now on start at the new version
+    assert seen[2:] == [
+        ("10.0.0.2", "policy_version"),
+        ("10.0.0.3", "policy_version"),
+        ("10.0.0.2", "resume"),
+        ("10.0.0.3", "resume"),
+    ]
+    assert cap.base_url("r1") == "http://127.0.0.1:8080/rollouts/r1/v1"
+
+
+def test_a_finished_pod_is_skipped_and_a_failed_push_changes_no_version() -> None:
+    def answer(host: str, action: str) -> httpx.Response:
+        if host == "10.0.0.9":
+            raise httpx.ConnectError("connection refused")  # the run ended meanwhile
+        return httpx.Response(200, json={})
+
+    pods = Pods(["http://10.0.0.2:8080", "http://10.0.0.9:8080"])
+    cap, seen = capture(pods, answer)
+    with pytest.raises(RuntimeError, match="push failed"), cap.hold(5):
+        raise RuntimeError("push failed")
+    assert pods.policy_version is None
+    assert seen == [("10.0.0.2", "pause"), ("10.0.0.9", "pause"), ("10.0.0.2", "resume")]
+
+
+def test_a_sidecar_refusing_to_pause_stops_the_push_and_resumes_the_others() -> None:
+    def answer(host: str, action: str) -> httpx.Response:
+        if host == "10.0.0.3":
+            return httpx.Response(401, text="bad token")
+        return httpx.Response(200, json={})
+
+    pods = Pods(["http://10.0.0.2:8080", "http://10.0.0.3:8080"])
+    cap, seen = capture(pods, answer)
+    refused = pytest.raises(RuntimeError, match=r"10.0.0.3:8080/control/pause answered 401")
+    with refused, cap.hold(1):
+        pytest.fail("the push must not run while a sidecar is not paused")
+    assert seen[-1] == ("10.0.0.2", "resume") and pods.policy_version is None
+
+
+def test_missing_control_token_says_where_it_comes_from() -> None:
+    with pytest.raises(ValueError, match=r"HARNESSRL_CONTROL_TOKEN.*harnessrl-control"):
+        PodCapture(Pods([]), "")
