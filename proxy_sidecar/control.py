@@ -19,6 +19,7 @@ from harnessrl.traces.schema import InvalidTransition, RolloutState, UnknownRoll
 from proxy_sidecar.config import MODES, SidecarConfig
 from proxy_sidecar.errors import (
     BadRequest,
+    BodyTooLarge,
     Conflict,
     NotFound,
     SidecarError,
@@ -112,19 +113,28 @@ def authorize(scope: Scope, token: str | None) -> None:
     raise Unauthorized("missing or wrong bearer token for the control API")
 
 
-async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
-    chunks, size, more = [], 0, True
-    while more:
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyTooLarge(f"request body over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
         message = await receive()
         if message["type"] != "http.request":
             raise BadRequest("client went away before sending the body")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BadRequest(f"control body larger than {limit} bytes")
+            raise BodyTooLarge(f"request body over the {limit}-byte limit")
         chunks.append(chunk)
-        more = message.get("more_body", False)
-    raw = b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_json(scope: Scope, receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
+    """A control request's JSON object body (empty body: {})."""
+    raw = await read_body(scope, receive, limit)
     if not raw.strip():
         return {}
     try:
@@ -157,7 +167,7 @@ class ControlEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             authorize(scope, self.state.config.control_token)
-            body = await read_json(receive) if scope["method"] == "POST" else {}
+            body = await read_json(scope, receive) if scope["method"] == "POST" else {}
             await send_json(send, 200, orjson.dumps(await self._act(body)))
         except SidecarError as err:
             await send_error(send, err)
@@ -199,7 +209,7 @@ class RolloutEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             authorize(scope, self.state.config.control_token)
-            body = await read_json(receive)
+            body = await read_json(scope, receive)
             rollout_id = scope["path_params"]["rollout_id"]
             record = await asyncio.to_thread(self._apply, rollout_id, body)
             payload = {

@@ -15,10 +15,9 @@ import orjson
 
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
-from proxy_sidecar.control import Receive, Scope, Send, SidecarState
+from proxy_sidecar.control import Receive, Scope, Send, SidecarState, read_body
 from proxy_sidecar.errors import (
     BadRequest,
-    BodyTooLarge,
     NoUpstream,
     SidecarError,
     Unavailable,
@@ -34,25 +33,6 @@ _HOP_REQUEST = frozenset(
 )
 _HOP_RESPONSE = frozenset(b"content-length connection keep-alive transfer-encoding".split())
 _POLICY_HEADER = b"x-harnessrl-policy-version"
-
-
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise BodyTooLarge(f"request body over the {limit}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise BadRequest("client went away before sending the body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body over the {limit}-byte limit")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def rollout_of(scope: Scope, default: str) -> str:

@@ -142,7 +142,7 @@ def test_control_bodies_must_be_json_objects(guarded: Any) -> None:
         r = httpx.post(guarded.url + "/control/policy_version", content=content, headers=auth())
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
     big = httpx.post(guarded.url + "/control/pause", content=b" " * (2 << 20), headers=auth())
-    assert big.status_code == 400
+    assert big.status_code == 413  # the same limit answer as the proxy path
     httpx.post(guarded.url + "/control/resume", headers=auth())
 
 
