@@ -40,7 +40,6 @@ from harnessrl.data.pipeline import StepTraces, build_step  # noqa: E402
 from harnessrl.learner.hosts import LeadLearner, follow  # noqa: E402
 from harnessrl.learner.mesh import init_distributed  # noqa: E402
 from harnessrl.learner.step import Learner  # noqa: E402
-from harnessrl.model import export  # noqa: E402
 from harnessrl.rollout.builtin_tasks import addition_tasks  # noqa: E402
 from harnessrl.rollout.evaluators import get_evaluator  # noqa: E402
 from harnessrl.rollout.fleet import (  # noqa: E402
@@ -394,7 +393,7 @@ def finish(run: Run) -> str:
     """Export, plot, and the one-line summary."""
     run.log.phase("export and plot", completed=run.cfg.run.steps)
     if run.cfg.run.export_hf:
-        export.export_hf(run.learner.model(), run.out / "hf", run.tokenizer)
+        run.learner.export_hf(run.out / "hf", run.tokenizer)
     records = read_metrics(run.out / "metrics.jsonl")
     plot_rewards(records, run.out / "reward.png")
     evals = [r["eval_reward"] for r in records if r.get("kind") == "eval"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -88,12 +89,12 @@ class LeadLearner:
         return self.learner.train_step([own_rows(a) for a in arrays])
 
     def params_state(self) -> Any:
-        self._announce(PARAMS)
+        self._tell(PARAMS)
         return self.learner.params_state()
 
-    def model(self) -> Any:
-        self._announce(PARAMS)
-        return self.learner.model()
+    def export_hf(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
+        self._tell(PARAMS)  # every process gathers the weights; process 0 writes
+        return self.learner.export_hf(out_dir, tokenizer)
 
     def save(self, position: dict[str, Any]) -> None:
         if self.many:
@@ -103,14 +104,14 @@ class LeadLearner:
         self.learner.save(position)
 
     def restore(self) -> dict[str, Any] | None:
-        self._announce(RESTORE)
+        self._tell(RESTORE)
         return self.learner.restore()
 
     def close(self) -> None:
-        self._announce(STOP)
+        self._tell(STOP)
         self.learner.close()
 
-    def _announce(self, command: int) -> None:
+    def _tell(self, command: int) -> None:
         if self.many:
             _announce(command)
 

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 import httpx
 
-from harnessrl.model import export
 from harnessrl.rollout.weight_sync import EmbeddedSync, VLLMSync, VLLMSyncConfig, WeightSync
 from harnessrl.serve.app import ServerHandle
 
@@ -65,7 +64,7 @@ class RemoteServing:
 
     def push(self, learner: Any, version: int) -> None:
         folder = self.export_root / f"v{version:06d}"
-        export.export_hf(learner.model(), folder, self.tokenizer)
+        learner.export_hf(folder, self.tokenizer)
         self.sync.push(folder, version)
         exports = sorted(p for p in self.export_root.glob("v*") if p.is_dir())
         for old in exports[:-KEEP_EXPORTS]:

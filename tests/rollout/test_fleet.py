@@ -91,6 +91,7 @@ def test_remote_serving_exports_each_version_and_keeps_the_last_two(tmp_path: An
 
     from harnessrl.model.config import ModelConfig
     from harnessrl.model.decoder import Decoder
+    from harnessrl.model.export import export_hf
     from harnessrl.rollout.fleet import RemoteServing
 
     model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
@@ -102,7 +103,7 @@ def test_remote_serving_exports_each_version_and_keeps_the_last_two(tmp_path: An
             pushed.append((folder.name, version))
 
     serving = RemoteServing("http://vllm:8000", Sync(), tmp_path / "weights", tokenizer=None)
-    learner = SimpleNamespace(model=lambda: model)
+    learner = SimpleNamespace(export_hf=lambda out, tok: export_hf(model, out, tok))
     for version in (1, 2, 3):
         serving.push(learner, version)
     assert pushed == [("v000001", 1), ("v000002", 2), ("v000003", 3)]
