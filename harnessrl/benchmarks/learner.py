@@ -1,10 +1,11 @@
 """Benchmark: learner forward+backward+AdamW tokens/s on SmolLM2 and the fraction of matmul peak.
 
-In the same run: the machine's measured matmul peak (large jitted `a @ b` in each compute dtype),
-then full train steps (one packed `[rows, len]` micro-batch + apply) per numerics variant.
-Model FLOPs per token follow the PaLM accounting: 6 x matmul params + 12 x layers x heads x
-head_dim x len. Last line: `learner: tokens_per_s=<x> peak_fraction=<y> compiles=<n>` for the
-best variant.
+Full train steps (one packed `[rows, len]` micro-batch + apply) per numerics variant, each step
+right after a probe of the machine's matmul peak (large jitted `a @ b` in each compute dtype), so
+every step is compared with the peak of the same moment: a shared host's speed drifts by tens of
+percent over minutes. Model FLOPs per token follow the PaLM accounting: 6 x matmul params + 12 x
+layers x heads x head_dim x len. Last line: `learner: tokens_per_s=<x> peak_fraction=<y>
+compiles=<n>` for the best variant, medians over its steps.
 """
 
 from __future__ import annotations
@@ -85,21 +86,41 @@ def packed_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str,
     }
 
 
+def machine_peak() -> Rate:
+    """The best matmul rate right now, whichever compute dtype gives it."""
+    peaks = [matmul_peak(dt, repeats=4) for dt in ("float32", "bfloat16")]
+    return Rate(max(p.wall for p in peaks), max(p.cpu for p in peaks))
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     name: str
-    tokens: Rate  # tokens per wall / CPU second
+    tokens: Rate  # median tokens per wall / CPU second
+    fraction: Rate  # median of each step's model FLOP/s over the peak probed just before it
     compile_s: float
     compiles: int
 
 
-def time_variant(name: str, model, batch: dict, steps: int) -> Run:
+def time_variant(name: str, model, batch: dict, steps: int, flops_per_token: float) -> Run:
     learner = Learner(model, LearnerConfig(learning_rate=1e-6, **VARIANTS[name]))
     start = time.perf_counter()
     learner.train_step([batch])  # compile + first step
     compile_s = time.perf_counter() - start
-    rate = measure(lambda: learner.train_step([batch]), batch["tokens"].size, steps)
-    return Run(name, rate, compile_s, learner.compile_count)
+    rates, fractions = [], []
+    for _ in range(steps):
+        peak = machine_peak()
+        rate = measure(lambda: learner.train_step([batch]), batch["tokens"].size, 1)
+        rates.append(rate)
+        fractions.append(
+            Rate(rate.wall * flops_per_token / peak.wall, rate.cpu * flops_per_token / peak.cpu)
+        )
+
+    def median(values: list[Rate]) -> Rate:
+        return Rate(
+            float(np.median([v.wall for v in values])), float(np.median([v.cpu for v in values]))
+        )
+
+    return Run(name, median(rates), median(fractions), compile_s, learner.compile_count)
 
 
 def main() -> None:
@@ -107,7 +128,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 | HF folder | .gguf path")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     parser.add_argument("--variants", default="fp32,bf16", help=f"comma list of {sorted(VARIANTS)}")
     args = parser.parse_args()
     names = [v for v in args.variants.split(",") if v]
@@ -119,34 +140,31 @@ def main() -> None:
 
     devices = jax.devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind}")
-    peaks = {dt: matmul_peak(dt) for dt in ("float32", "bfloat16")}
-    for dt, p in peaks.items():
+    for dt in ("float32", "bfloat16"):
+        p = matmul_peak(dt)
         print(
             f"matmul peak {dt}: {p.wall / 1e9:.1f} GFLOP/s wall, {p.cpu / 1e9:.1f} per CPU-second"
         )
-    # The machine's best matmul rate, whichever dtype gives it.
-    peak = Rate(max(p.wall for p in peaks.values()), max(p.cpu for p in peaks.values()))
     loaded = load_model(args.model)
     cfg = loaded.config
     batch = packed_batch(args.rows, args.length, cfg.vocab_size)
     fpt = flops_per_token(cfg, args.length)
     print(
         f"model: {cfg.num_layers} layers, d={cfg.hidden_size}; {fpt / 1e9:.3f} GFLOP/token; "
-        f"micro-batch {args.rows}x{args.length}"
+        f"micro-batch {args.rows}x{args.length}; {args.steps} timed steps per variant"
     )
-    best: tuple[float, Run] | None = None
+    best: Run | None = None
     for name in names:
-        run = time_variant(name, loaded.model, batch, args.steps)
-        frac_wall, frac_cpu = run.tokens.wall * fpt / peak.wall, run.tokens.cpu * fpt / peak.cpu
+        run = time_variant(name, loaded.model, batch, args.steps, fpt)
         print(
             f"{name:>11}: {run.tokens.wall:7.1f} tokens/s ({run.tokens.wall * fpt / 1e9:5.1f} GFLOP/s) "
-            f"peak_fraction wall={frac_wall:.3f} cpu-time={frac_cpu:.3f}  "
+            f"peak_fraction wall={run.fraction.wall:.3f} cpu-time={run.fraction.cpu:.3f}  "
             f"compile {run.compile_s:.0f} s  compiles={run.compiles}"
         )
-        if best is None or frac_cpu > best[0]:
-            best = (frac_cpu, run)
+        if best is None or run.fraction.cpu > best.fraction.cpu:
+            best = run
     assert best is not None
-    frac, run = best
+    run, frac = best, best.fraction.cpu
     print(f"best: {run.name}; peak_fraction below is per CPU-second (robust to a shared host)")
     print(
         f"learner: tokens_per_s={run.tokens.wall:.1f} peak_fraction={frac:.3f} compiles={run.compiles}"

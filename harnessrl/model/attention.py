@@ -102,9 +102,23 @@ def attend(
     return out_btkge.reshape(b, t, h, e)
 
 
+def dense(x: jax.Array, w: jax.Array, contract: int = 1, out_dtype: object = None) -> jax.Array:
+    """Contract the last `contract` axes of `x` with the first ones of `w`, as one 2-D matmul.
+
+    `dense(x_btd, w_dhe)` is `einsum("btd,dhe->bthe")`. Flattening [b, t] (and the weight's
+    output axes) first gives the backward pass plain 2-D dots: for the same einsum over [b, t],
+    XLA's CPU backend transposes and copies every activation gradient before the weight-gradient
+    dot, which made a SwiGLU MLP's backward 1.7x slower.
+    """
+    k = math.prod(w.shape[:contract])
+    lead, out = x.shape[: x.ndim - contract], w.shape[contract:]
+    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
+    return y.reshape(*lead, *out)
+
+
 def swiglu(
     x_btd: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array, w_down_fd: jax.Array
 ) -> jax.Array:
-    gate_btf = jnp.einsum("btd,df->btf", x_btd, w_gate_df)
-    up_btf = jnp.einsum("btd,df->btf", x_btd, w_up_df)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_btf) * up_btf, w_down_fd)
+    gate_btf = dense(x_btd, w_gate_df)
+    up_btf = dense(x_btd, w_up_df)
+    return dense(jax.nn.silu(gate_btf) * up_btf, w_down_fd)

@@ -174,9 +174,9 @@ def qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Project one layer's normalized input to RoPE'd queries and keys, and values."""
     ct = cfg.compute_jnp_dtype
-    q_bthe = jnp.einsum("btd,dhe->bthe", x_btd, w["wq_ldhe"].astype(ct))
-    k_btke = jnp.einsum("btd,dke->btke", x_btd, w["wk_ldke"].astype(ct))
-    v_btke = jnp.einsum("btd,dke->btke", x_btd, w["wv_ldke"].astype(ct))
+    q_bthe = attn.dense(x_btd, w["wq_ldhe"].astype(ct))
+    k_btke = attn.dense(x_btd, w["wk_ldke"].astype(ct))
+    v_btke = attn.dense(x_btd, w["wv_ldke"].astype(ct))
     if cfg.qkv_bias:
         q_bthe = q_bthe + w["bq_lhe"].astype(ct)
         k_btke = k_btke + w["bk_lke"].astype(ct)
@@ -194,6 +194,8 @@ def block_tail(
 ) -> jax.Array:
     """Attention output projection + residual, then the SwiGLU MLP + residual."""
     ct = cfg.compute_jnp_dtype
+    # An einsum rather than `dense`: its (h, e) accumulation order keeps SmolLM2's float32 logits
+    # within 1e-4 of transformers', and its backward pass measured no slower.
     x_btd = x_btd + jnp.einsum("bthe,hed->btd", o_bthe, w["wo_lhed"].astype(ct))
     x_btd = constrain(x_btd, ("batch", "length", "embed"))
     h_btd = attn.rms_norm(x_btd, w["mlp_norm_ld"], cfg.rms_norm_eps).astype(ct)
@@ -293,10 +295,9 @@ class Decoder(nnx.Module):
             cfg.compute_jnp_dtype
         )
         head_dv = self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
-        logits_btv = jnp.einsum(
-            "btd,dv->btv",
+        logits_btv = attn.dense(
             h_btd,
             head_dv.astype(cfg.compute_jnp_dtype),
-            preferred_element_type=jnp.promote_types(h_btd.dtype, jnp.float32),
+            out_dtype=jnp.promote_types(h_btd.dtype, jnp.float32),
         )
         return constrain(logits_btv, ("batch", "length", "vocab"))
