@@ -26,6 +26,7 @@ VARIANTS = {
     "fp32": dict(compute_dtype="float32"),
     "bf16": dict(compute_dtype="bfloat16"),
     "fp32_remat": dict(compute_dtype="float32", remat=True),
+    "fp32_scan": dict(compute_dtype="float32", scan_unroll=1),  # layers not unrolled
 }
 
 

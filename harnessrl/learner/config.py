@@ -21,6 +21,10 @@ class LearnerConfig:
     compute_dtype: str = "float32"  # matmul dtype; norms, softmax and logits stay float32
     param_dtype: str = "float32"  # storage dtype of params (optimizer moments follow)
     remat: bool = False  # recompute each layer's activations in the backward pass
+    # Layers per iteration of the layer scan. None: all of them on CPU hosts, where the unrolled
+    # program measured a 13% faster SmolLM2 step for a 1.3x longer compile; 1 on accelerators,
+    # where compile time matters more and XLA schedules the scan well.
+    scan_unroll: int | None = None
     # Objective (see harnessrl.learner.losses).
     eps_low: float = 0.2
     eps_high: float = 0.28  # asymmetric "clip-higher" keeps low-probability tokens learnable
@@ -48,6 +52,14 @@ class LearnerConfig:
         for name in ("compute_dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {DTYPES}")
+        if self.scan_unroll is not None and (
+            isinstance(self.scan_unroll, bool)
+            or not isinstance(self.scan_unroll, int)
+            or self.scan_unroll < 1
+        ):
+            raise ValueError(
+                f"scan_unroll={self.scan_unroll!r} must be a positive integer or None (automatic)"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):

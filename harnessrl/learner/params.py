@@ -44,6 +44,7 @@ def split_model(
     compute_dtype: str | None = None,
     param_dtype: str | None = None,
     remat: bool | None = None,
+    scan_unroll: int | None = None,
 ) -> tuple[ModelParts, dict[str, Any]]:
     """Split `model` into parts and a param dict, optionally with new numerics.
 
@@ -56,6 +57,7 @@ def split_model(
             ("compute_dtype", compute_dtype),
             ("param_dtype", param_dtype),
             ("remat", remat),
+            ("scan_unroll", scan_unroll),
         )
         if v is not None
     }

@@ -75,6 +75,16 @@ def batch_arrays(batch: Any) -> dict[str, np.ndarray]:
     return out
 
 
+def scan_unroll(cfg: LearnerConfig, model: nnx.Module) -> int | None:
+    """The configured layer-scan unroll, or the automatic one: every layer on CPU, else 1."""
+    if cfg.scan_unroll is not None:
+        return cfg.scan_unroll
+    layers = getattr(getattr(model, "cfg", None), "num_layers", None)
+    if layers is None:
+        return None  # not one of our decoders: leave its graph alone
+    return layers if jax.default_backend() == "cpu" else 1
+
+
 class Learner:
     """Owns the mesh, the sharded train state and the compiled programs of one policy."""
 
@@ -89,7 +99,9 @@ class Learner:
         if not isinstance(cfg, LearnerConfig):
             raise TypeError(f"cfg must be a LearnerConfig, got {type(cfg).__name__}")
         self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
-        self.parts, params = split_model(model, cfg.compute_dtype, cfg.param_dtype, cfg.remat)
+        self.parts, params = split_model(
+            model, cfg.compute_dtype, cfg.param_dtype, cfg.remat, scan_unroll(cfg, model)
+        )
         self.param_shardings = param_shardings(self.parts, params, self.mesh)
         self.optimizer = make_optimizer(cfg)
         self._schedule = make_schedule(cfg)

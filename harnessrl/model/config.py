@@ -55,6 +55,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False  # recompute each layer's activations in the backward pass
+    scan_unroll: int = 1  # layers per iteration of the training forward's layer scan
 
     def __post_init__(self) -> None:
         if self.family not in ARCHITECTURES:
@@ -70,6 +71,10 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads!r} must be positive and divide "
                 f"num_heads={self.num_heads!r} (grouped-query attention)"
             )
+        if isinstance(self.scan_unroll, bool) or not (
+            isinstance(self.scan_unroll, int) and self.scan_unroll >= 1
+        ):
+            raise ValueError(f"scan_unroll={self.scan_unroll!r} must be a positive integer")
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim!r} must be a positive even integer (RoPE)")
 

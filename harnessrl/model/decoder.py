@@ -236,7 +236,12 @@ class Decoder(nnx.Module):
 
         if cfg.remat:
             layer = jax.checkpoint(layer)
-        x_btd, _ = jax.lax.scan(layer, self.embed(tokens_bt), self.layers.stacked())
+        x_btd, _ = jax.lax.scan(
+            layer,
+            self.embed(tokens_bt),
+            self.layers.stacked(),
+            unroll=min(cfg.scan_unroll, cfg.num_layers),
+        )
         return self.logits(x_btd)
 
     def decode(

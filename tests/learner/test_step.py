@@ -120,6 +120,22 @@ def test_bf16_params_compute_and_remat_train_close_to_fp32():
     assert cos > 0.98
 
 
+def test_layer_scan_unroll_is_automatic_on_cpu_and_does_not_change_the_gradient():
+    batches = random_step(seed=3, count=12, buckets=SMALL)
+    auto = Learner(tiny_model(), LearnerConfig())
+    layers = auto.parts.merge(auto.params).cfg.num_layers
+    assert layers > 1 and auto.parts.merge(auto.params).cfg.scan_unroll == layers  # CPU: all
+    scanned = Learner(tiny_model(), LearnerConfig(scan_unroll=1))
+    assert scanned.parts.merge(scanned.params).cfg.scan_unroll == 1
+    m_auto, g_auto = auto.compute_gradients(batches)
+    m_scan, g_scan = scanned.compute_gradients(batches)
+    assert m_auto["loss"] == pytest.approx(m_scan["loss"], rel=1e-5)
+    np.testing.assert_allclose(flat(g_auto), flat(g_scan), rtol=1e-4, atol=1e-7)
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match="scan_unroll"):
+            LearnerConfig(scan_unroll=bad)
+
+
 def test_export_hf_round_trips_the_trained_weights(tmp_path):
     from harnessrl.model.load import load_model
 
