@@ -29,27 +29,18 @@ def _layer_table(cfg: ModelConfig) -> list[tuple[str, str, Callable, Callable]]:
     def transpose(w: np.ndarray) -> np.ndarray:
         return w.T
 
-    # HF Linear weights are [out, in]; ours are [in, ...out] so einsums read left to right.
+    def projection(*out: int) -> tuple[Callable, Callable]:
+        """HF Linear [out, in] <-> ours [in, *out], so projections read left to right."""
+        return lambda w: w.T.reshape(d, *out), lambda w: w.reshape(d, -1).T
+
+    def bias(*out: int) -> tuple[Callable, Callable]:
+        return lambda b: b.reshape(*out), lambda b: b.reshape(-1)
+
     table = [
         ("attn_norm_ld", "input_layernorm.weight", same, same),
-        (
-            "wq_ldhe",
-            "self_attn.q_proj.weight",
-            lambda w: w.T.reshape(d, h, e),
-            lambda w: w.reshape(d, h * e).T,
-        ),
-        (
-            "wk_ldke",
-            "self_attn.k_proj.weight",
-            lambda w: w.T.reshape(d, k, e),
-            lambda w: w.reshape(d, k * e).T,
-        ),
-        (
-            "wv_ldke",
-            "self_attn.v_proj.weight",
-            lambda w: w.T.reshape(d, k, e),
-            lambda w: w.reshape(d, k * e).T,
-        ),
+        ("wq_ldhe", "self_attn.q_proj.weight", *projection(h, e)),
+        ("wk_ldke", "self_attn.k_proj.weight", *projection(k, e)),
+        ("wv_ldke", "self_attn.v_proj.weight", *projection(k, e)),
         (
             "wo_lhed",
             "self_attn.o_proj.weight",
@@ -63,24 +54,9 @@ def _layer_table(cfg: ModelConfig) -> list[tuple[str, str, Callable, Callable]]:
     ]
     if cfg.qkv_bias:
         table += [
-            (
-                "bq_lhe",
-                "self_attn.q_proj.bias",
-                lambda b: b.reshape(h, e),
-                lambda b: b.reshape(h * e),
-            ),
-            (
-                "bk_lke",
-                "self_attn.k_proj.bias",
-                lambda b: b.reshape(k, e),
-                lambda b: b.reshape(k * e),
-            ),
-            (
-                "bv_lke",
-                "self_attn.v_proj.bias",
-                lambda b: b.reshape(k, e),
-                lambda b: b.reshape(k * e),
-            ),
+            ("bq_lhe", "self_attn.q_proj.bias", *bias(h, e)),
+            ("bk_lke", "self_attn.k_proj.bias", *bias(k, e)),
+            ("bv_lke", "self_attn.v_proj.bias", *bias(k, e)),
         ]
     if cfg.qk_norm:
         table += [
