@@ -23,7 +23,7 @@ class LearnerConfig:
     remat: bool = False  # recompute each layer's activations in the backward pass
     # Layers per iteration of the layer scan. None: all of them on CPU hosts, where the unrolled
     # program measured a 13% faster SmolLM2 step for a 1.3x longer compile; 1 on accelerators,
-    # where compile time matters more and XLA schedules the scan well.
+    # where deep models make compile time matter more (not measured there).
     scan_unroll: int | None = None
     # Objective (see harnessrl.learner.losses).
     eps_low: float = 0.2
