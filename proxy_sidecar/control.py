@@ -8,6 +8,7 @@ instead of failing them, so a harness needs no retry logic across a weight swap.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -15,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from harnessrl.traces.schema import InvalidTransition, RolloutState, UnknownRollout
-from proxy_sidecar.config import MODES, SidecarConfig
+from harnessrl.traces.schema import TERMINAL_STATES, InvalidTransition, RolloutState, UnknownRollout
+from proxy_sidecar.config import MODES, SidecarConfig, policy_version_error
 from proxy_sidecar.errors import (
     BadRequest,
     BodyTooLarge,
@@ -101,15 +102,39 @@ class SidecarState:
         }
 
 
-def authorize(scope: Scope, token: str | None) -> None:
+def rollout_token(control_token: str, rollout_id: str) -> str:
+    """A rollout's own credential: it may post that rollout's reward and nothing else.
+
+    HMAC of the rollout id under the control token, so a sidecar checks it without a table and
+    the control token itself never has to reach a harness.
+    """
+    message = b"harnessrl-rollout-reward\0" + rollout_id.encode()
+    return hmac.new(control_token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def authorize(scope: Scope, token: str | None, rollout_id: str | None = None) -> str:
+    """Which credential the request carries: "control", or "rollout" (that rollout's own).
+
+    `rollout_id` given: the rollout's own credential is accepted besides the control token.
+    """
     if token is None:  # only allowed when bound to loopback (SidecarConfig checks)
-        return
+        return "control"
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, given = value.partition(b" ")
-            if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode()):
-                return
+            if scheme.lower() != b"bearer":
+                break
+            if hmac.compare_digest(given.strip(), token.encode()):
+                return "control"
+            own = rollout_token(token, rollout_id).encode() if rollout_id is not None else b""
+            if own and hmac.compare_digest(given.strip(), own):
+                return "rollout"
             break
+    if rollout_id is not None:
+        raise Unauthorized(
+            f"missing or wrong bearer token for rollout {rollout_id!r}: send the control token "
+            "or this rollout's own HARNESSRL_REWARD_TOKEN"
+        )
     raise Unauthorized("missing or wrong bearer token for the control API")
 
 
@@ -188,8 +213,9 @@ class ControlEndpoint:
             state.resume()
         elif self.action == "policy_version":
             version = _number(body, "version", integer=True)
-            if version < 0:
-                raise BadRequest(f"'version' must be >= 0, got {version}", param="version")
+            error = policy_version_error(version)
+            if error:
+                raise BadRequest(f"'version' {error}", param="version")
             state.policy_version = version
             state.metrics.policy_version.set(version)
         elif self.action == "mode":
@@ -208,10 +234,12 @@ class RolloutEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            authorize(scope, self.state.config.control_token)
-            body = await read_json(scope, receive)
             rollout_id = scope["path_params"]["rollout_id"]
-            record = await asyncio.to_thread(self._apply, rollout_id, body)
+            # A harness holds its rollout's own credential, good for that rollout's reward only.
+            own = rollout_id if self.action == "reward" else None
+            caller = authorize(scope, self.state.config.control_token, own)
+            body = await read_json(scope, receive)
+            record = await asyncio.to_thread(self._apply, rollout_id, body, caller)
             payload = {
                 "rollout_id": rollout_id,
                 "state": record.state.value,
@@ -227,10 +255,15 @@ class RolloutEndpoint:
         except SidecarError as err:
             await send_error(send, err)
 
-    def _apply(self, rollout_id: str, body: dict[str, Any]) -> Any:
+    def _apply(self, rollout_id: str, body: dict[str, Any], caller: str) -> Any:
         store = self.state.store
         if self.action == "reward":
-            return store.set_reward(rollout_id, float(_number(body, "reward")))
+            reward = float(_number(body, "reward"))
+            state = store.rollout(rollout_id).state if caller == "rollout" else None
+            if state in TERMINAL_STATES:
+                # The trainer has already scored (or excluded) the run: its reward is final.
+                raise Conflict(f"rollout {rollout_id!r} is already {state}; reward refused")
+            return store.set_reward(rollout_id, reward)
         target = body.get("state")
         if target not in (RolloutState.SUCCEEDED.value, RolloutState.FAILED.value):
             raise BadRequest(f"'state' must be 'succeeded' or 'failed', got {target!r}")
