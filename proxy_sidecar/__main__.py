@@ -1,6 +1,8 @@
 """`python -m proxy_sidecar --upstream URL[,URL] --store sqlite:///PATH --port N`.
 
-In: command-line flags (see `--help`). Out: the sidecar served by uvicorn (uvloop, httptools).
+In: command-line flags (see `--help`). Out: the sidecar served by uvicorn (uvloop, httptools),
+through the same bounded HTTP listener as the embedded server (request heads capped at 64 KiB and
+30 s, body pauses at 30 s).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 
 import uvicorn
 
+from harnessrl.serve.listener import HttpLimits, server_config
 from proxy_sidecar.app import build_app
 from proxy_sidecar.config import parse_args
 
@@ -20,12 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         sys.exit(f"proxy_sidecar: {err}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    uvicorn.run(
+    listener = server_config(
         build_app(config),
         host=config.host,
         port=config.port,
+        limits=HttpLimits(),
         loop="uvloop",
-        http="httptools",
         access_log=False,
         server_header=False,
         date_header=False,
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_keep_alive=75,
         backlog=4096,
     )
+    uvicorn.Server(listener).run()
 
 
 if __name__ == "__main__":

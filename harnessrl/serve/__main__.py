@@ -1,7 +1,8 @@
 """`python -m harnessrl.serve --model smollm2|HF_DIR|GGUF --port N [--num-slots 8 ...]`.
 
-In: a model spec and `ServeConfig` fields as flags. Out: an OpenAI/vLLM-compatible server in the
-foreground (warm-up first, so the first request does not compile); Ctrl-C stops it.
+In: a model spec and `ServeConfig` fields as flags (the admin token may also come from
+HARNESSRL_ADMIN_TOKEN). Out: an OpenAI/vLLM-compatible server in the foreground (warm-up first,
+so the first request does not compile); Ctrl-C stops it.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any
 
 import uvicorn
 
 from harnessrl.serve.config import ServeConfig
+from harnessrl.serve.listener import server_config
 
 
 def _parse_value(name: str, text: str, default: Any) -> Any:
@@ -25,6 +28,8 @@ def _parse_value(name: str, text: str, default: Any) -> Any:
             return text.lower() in ("true", "1", "yes")
         if isinstance(default, int):
             return int(text)
+        if isinstance(default, float):
+            return float(text)
         if isinstance(default, tuple):
             return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as err:
@@ -34,12 +39,14 @@ def _parse_value(name: str, text: str, default: Any) -> Any:
     return text
 
 
-def parse_args(argv: list[str]) -> ServeConfig:
+def parse_args(argv: list[str], env: dict[str, str] | None = None) -> ServeConfig:
     """Flags named after `ServeConfig` fields (`--num-slots 8`, `--prefill-buckets 16,64,256`)."""
     parser = argparse.ArgumentParser(prog="python -m harnessrl.serve", description=__doc__)
     for field in dataclasses.fields(ServeConfig):
         default = field.default
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        if field.name == "admin_token":
+            shown = "$HARNESSRL_ADMIN_TOKEN, else none (then only loopback hosts are allowed)"
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",
             dest=field.name,
@@ -50,6 +57,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
     args = parser.parse_args(argv)
     if args.port == 0:
         parser.error("--port must be a fixed port for a foreground server")
+    env = dict(os.environ) if env is None else env
+    args.admin_token = args.admin_token or env.get("HARNESSRL_ADMIN_TOKEN", "")
     try:
         return ServeConfig(**vars(args))
     except ValueError as err:
@@ -77,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.warm_up()
     app = build_app(engine, loaded.tokenizer)
     print(f"serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    limits = config.http_limits
+    uvicorn.Server(
+        server_config(
+            app, host=config.host, port=config.port, limits=limits, log_level=config.log_level
+        )
+    ).run()
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,19 +20,28 @@ from typing import Any
 import uvicorn
 from flax import nnx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from harnessrl.model.decoder import Decoder
-from harnessrl.serve.config import ServeConfig
+from harnessrl.serve.config import INT64_MAX, ServeConfig
 from harnessrl.serve.decode import Engine
-from harnessrl.serve.generate import VERSION_HEADER, Backend, GenerationEndpoint, read_json
+from harnessrl.serve.generate import (
+    VERSION_HEADER,
+    Backend,
+    GenerationEndpoint,
+    decode_json,
+    read_body,
+)
+from harnessrl.serve.listener import server_config
 from harnessrl.serve.output import TokenText
-from harnessrl.serve.protocol import RequestError, Tokenizer
+from harnessrl.serve.protocol import RequestError, RequestLimits, Tokenizer, tokenize_body
 from harnessrl.serve.swap import load_params
 
 ParamsLoader = Callable[[str], Any]
+log = logging.getLogger(__name__)
 
 
 class PolicyVersionHeader:
@@ -56,7 +67,22 @@ class PolicyVersionHeader:
 
 
 def _error(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _route_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404/405 (and anything unforeseen) in vLLM's error body, not plain text."""
+    if isinstance(exc, HTTPException):
+        status, headers = exc.status_code, dict(exc.headers or {})
+        message = {
+            404: f"no route {request.url.path!r}; see /v1/models, /v1/chat/completions, "
+            "/v1/completions",
+            405: f"method {request.method} is not allowed on {request.url.path!r}",
+        }.get(status, str(exc.detail))
+    else:  # a bug: say so in the protocol's shape, without internals
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        status, headers, message = 500, {}, "internal server error"
+    return _error(RequestError(message, status=status, headers=headers))
 
 
 async def health(request: Request) -> Response:
@@ -77,23 +103,16 @@ async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card]})
 
 
+async def _read(request: Request, backend: Backend) -> Any:
+    raw = await read_body(request.scope, request.receive, backend.max_body_bytes)
+    return await asyncio.to_thread(decode_json, raw)
+
+
 async def tokenize(request: Request) -> JSONResponse:
     backend: Backend = request.app.state.backend
     try:
-        body = await read_json(request.receive)
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        if "messages" in body:
-            messages, add = body["messages"], bool(body.get("add_generation_prompt", True))
-            ids = list(
-                backend.tokenizer.apply_chat_template(
-                    messages, tools=body.get("tools"), add_generation_prompt=add
-                )
-            )
-        elif isinstance(body.get("prompt"), str):
-            ids = list(backend.tokenizer.encode(body["prompt"]))
-        else:
-            raise RequestError("give `prompt` (a string) or `messages` (a list)", param="prompt")
+        body = await _read(request, backend)
+        ids = await asyncio.to_thread(tokenize_body, body, backend.tokenizer, backend.limits)
     except RequestError as err:
         return _error(err)
     return JSONResponse(
@@ -109,17 +128,34 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     backend: Backend = request.app.state.backend
     try:
-        body = await read_json(request.receive)
+        body = await _read(request, backend)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and 0 <= t < backend.vocab_size for t in tokens
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < backend.vocab_size
+            for t in tokens
         ):
             raise RequestError(
                 f"tokens must be a list of token ids in [0, {backend.vocab_size})", param="tokens"
             )
+        text = await asyncio.to_thread(backend.tokenizer.decode, tokens)
     except RequestError as err:
         return _error(err)
-    return JSONResponse({"prompt": backend.tokenizer.decode(tokens)})
+    return JSONResponse({"prompt": text})
+
+
+def _check_admin(request: Request, token: str) -> None:
+    """Bearer-token check of /admin/* (no token configured: loopback only, see ServeConfig)."""
+    if not token:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        raise RequestError(
+            "missing or wrong bearer token for /admin (the server's --admin-token)",
+            status=401,
+            headers={"www-authenticate": "Bearer"},
+        )
 
 
 async def load_weights(request: Request) -> JSONResponse:
@@ -127,21 +163,32 @@ async def load_weights(request: Request) -> JSONResponse:
     backend: Backend = request.app.state.backend
     loader: ParamsLoader = request.app.state.params_loader
     try:
-        body = await read_json(request.receive)
+        _check_admin(request, request.app.state.admin_token)  # before the body is even read
+        body = await _read(request, backend)
         path, version = (
             (body.get("path"), body.get("version")) if isinstance(body, dict) else (None, None)
         )
         if not isinstance(path, str) or not path:
             raise RequestError(
-                f"path must be the exported model folder, got {path!r}", param="path"
+                f"path must be the exported model folder, got {path!r:.200}", param="path"
             )
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise RequestError(f"version must be an integer, got {version!r}", param="version")
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= INT64_MAX
+        ):
+            raise RequestError(
+                f"version must be an integer in [0, 2**63 - 1], got {version!r:.50}",
+                param="version",
+            )
         try:
             params = await asyncio.to_thread(loader, path)
             await asyncio.to_thread(backend.engine.swap_params, params, version)
-        except (OSError, ValueError, TypeError) as err:
-            raise RequestError(f"cannot load weights from {path!r}: {err}", param="path") from err
+        except Exception as err:  # any failure to load leaves the served weights as they were
+            raise RequestError(
+                f"cannot load weights from {path!r:.300}: {type(err).__name__}: {err!s:.500}",
+                param="path",
+            ) from err
     except RequestError as err:
         return _error(err)
     return JSONResponse({"version": backend.engine.version})
@@ -159,6 +206,8 @@ def build_app(
         served=config.model_name,
         max_model_len=config.max_model_len,
         vocab_size=engine.model_config.vocab_size,
+        limits=RequestLimits.of(config),
+        max_body_bytes=config.max_body_bytes,
     )
 
     @contextlib.asynccontextmanager
@@ -176,9 +225,14 @@ def build_app(
         Route("/v1/completions", GenerationEndpoint(chat=False), methods=["POST"]),
         Route("/admin/load_weights", load_weights, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _route_error, Exception: _route_error},
+    )
     app.state.backend = backend
     app.state.params_loader = params_loader
+    app.state.admin_token = config.admin_token
     app.state.started = int(time.time())
     app.add_middleware(PolicyVersionHeader)
     return app
@@ -220,8 +274,13 @@ def start_server(
         engine.warm_up()
     app = build_app(engine, tokenizer, params_loader=params_loader)
     server = uvicorn.Server(
-        uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on"
+        server_config(
+            app,
+            host=config.host,
+            port=config.port,
+            limits=config.http_limits,
+            log_level=config.log_level,
+            lifespan="on",
         )
     )
     thread = threading.Thread(target=server.run, name="harnessrl-serve", daemon=True)

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import ipaddress
+from dataclasses import dataclass, field, fields
+
+from harnessrl.serve.listener import HttpLimits
+
+INT64_MAX = (1 << 63) - 1  # policy versions end up in SQLite/PostgreSQL BIGINT columns
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses: only this machine can connect."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -24,7 +39,14 @@ class ServeConfig:
     # Cache lengths a decode step attends over (the smallest that covers every live sequence);
     # empty: powers of two from 128, then max_model_len.
     decode_buckets: tuple[int, ...] = ()
-    max_waiting: int = 1024  # queued requests beyond the slots; more get 503
+    max_waiting: int = 1024  # queued sequences beyond the slots; more get 503 + Retry-After
+    max_n: int = 64  # choices per request
+    max_request_tokens: int = 65536  # n x max_tokens (unset max_tokens: the room left)
+    max_prompt_chars: int = 1 << 20  # prompt or message text, checked before tokenizing
+    max_body_bytes: int = 16 << 20  # request body; larger gets 413
+    max_header_bytes: int = 64 << 10  # request line + headers; larger gets 431
+    read_timeout_s: float = 30.0  # deadline of a request's headers, longest pause in its body
+    admin_token: str = field(default="", repr=False)  # /admin/* bearer token; needed off loopback
     seed: int = 0  # base of the keys of requests without a seed
     policy_version: int = 0
     warmup: bool = True
@@ -37,6 +59,15 @@ class ServeConfig:
                 raise ValueError(
                     f"ServeConfig.{name} must be a non-negative integer, got {value!r}"
                 )
+        for name in ("max_n", "max_request_tokens", "max_prompt_chars", "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServeConfig.{name} must be a positive integer, got {value!r}")
+        try:
+            HttpLimits(self.max_header_bytes, self.read_timeout_s)
+        except ValueError as err:
+            raise ValueError(f"ServeConfig.{err}") from err
+        self._check_admin()
         if self.num_slots < 1 or self.max_model_len < 2:
             raise ValueError(
                 f"ServeConfig needs num_slots >= 1 and max_model_len >= 2, got "
@@ -49,9 +80,25 @@ class ServeConfig:
                 f"ServeConfig.decode_buckets must end at max_model_len={self.max_model_len}, got "
                 f"{self.decode_buckets!r}"
             )
-        if not isinstance(self.policy_version, int) or isinstance(self.policy_version, bool):
+        version = self.policy_version
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= INT64_MAX
+        ):
             raise ValueError(
-                f"ServeConfig.policy_version must be an integer, got {self.policy_version!r}"
+                f"ServeConfig.policy_version must be an integer in [0, 2**63 - 1], got {version!r}"
+            )
+
+    def _check_admin(self) -> None:
+        if not isinstance(self.admin_token, str):
+            raise ValueError(
+                f"ServeConfig.admin_token must be a string, got {type(self.admin_token).__name__}"
+            )
+        if not self.admin_token and not is_loopback(self.host):
+            raise ValueError(
+                f"ServeConfig.host={self.host!r} is not loopback: set admin_token (--admin-token "
+                "or HARNESSRL_ADMIN_TOKEN) so /admin/load_weights is protected, or bind 127.0.0.1"
             )
 
     def _check_buckets(self, name: str, allow_empty: bool) -> None:
@@ -79,6 +126,12 @@ class ServeConfig:
             return self.decode_buckets
         powers = [1 << p for p in range(7, 30) if (1 << p) < self.max_model_len]
         return (*powers, self.max_model_len)
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_header_bytes=self.max_header_bytes, read_timeout_s=self.read_timeout_s
+        )
 
     @property
     def model_name(self) -> str:

@@ -66,6 +66,14 @@ def _raw_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
 
 
+def _deliver(sink: Sink, events: list[TokenEvent]) -> None:
+    # A sink whose event loop has closed must not take the engine thread down with it.
+    try:
+        sink(events)
+    except Exception:
+        log.exception("dropping %d token events: their receiver is gone", len(events))
+
+
 class Engine:
     """Continuous-batching decoder over `num_slots` KV-cache rows, run on a background thread."""
 
@@ -129,23 +137,23 @@ class Engine:
     ) -> Cancel:
         """Queue one request (`params.n` sequences); `sink` gets event lists from the engine thread.
 
-        Returns `cancel(choice=None)` (safe from any thread): ends that choice, or all of them.
+        Raises ValueError for a request that cannot run (checked here, so a bad request never
+        reaches a step it shares with others) and EngineBusy when the queue is full. Returns
+        `cancel(choice=None)` (safe from any thread): ends that choice, or all of them.
         """
         if max_tokens < 1 or len(prompt_ids) + max_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} does not fit "
                 f"max_model_len={self.config.max_model_len}"
             )
+        self.steps.check_sampling(params)
+        self._check_room(params.n)  # before building anything per choice
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         request = _Request(np.asarray(prompt_ids, np.int32), params, max_tokens, eos, sink)
         base = params.seed if params.seed is not None else next(self._seeds)
         request.seqs = [_Seq(request, i, _raw_key(base)) for i in range(params.n)]
         with self._cond:
-            if (
-                len(self._waiting) + len(request.seqs)
-                > self.config.max_waiting + self.config.num_slots
-            ):
-                raise EngineBusy(f"{len(self._waiting)} sequences are waiting; retry later")
+            self._check_room(params.n)
             self._waiting.extend(request.seqs)
             self._cond.notify_all()
 
@@ -155,6 +163,13 @@ class Engine:
                 self._cond.notify_all()
 
         return cancel
+
+    def _check_room(self, n: int) -> None:
+        capacity = self.config.max_waiting + self.config.num_slots
+        if n > capacity:
+            raise ValueError(f"n={n} exceeds the {capacity} sequences this engine can hold")
+        if len(self._waiting) + n > capacity:
+            raise EngineBusy(f"{len(self._waiting)} sequences are waiting; retry later")
 
     def submit_async(
         self, prompt_ids: list[int], params: SamplingParams, max_tokens: int
@@ -188,17 +203,18 @@ class Engine:
                 self._swap.apply_if_pending()
                 cancelled, self._cancelled = self._cancelled, []
                 for seq in cancelled:
-                    self._finish(seq, None)
+                    self._finish(seq)
                 self._admit()
             try:
                 self._prefill_one()
                 self._decode_step()
-            except (
-                Exception
-            ) as err:  # a device fault must not strand callers: fail what is in flight
+            except Exception as err:  # a host-side bug: fail what runs, keep the queue
                 log.exception("engine step failed")
-                self._fail_all(err)
-        self._fail_all(RuntimeError("engine stopped"))
+                self._abort(self._seqs_of(self._running()), "abort", str(err))
+        with self._cond:
+            seqs = [s for s in self._slots if s is not None] + list(self._waiting)
+            self._waiting.clear()
+        self._abort(seqs, "abort", "the engine stopped")
 
     def _busy(self) -> bool:
         return any(seq is not None for seq in self._slots)
@@ -215,15 +231,42 @@ class Engine:
             seq.slot = free[0]
             self._slots[seq.slot] = seq
 
-    def _fail_all(self, err: Exception) -> None:
-        with self._cond:
-            seqs = [s for s in self._slots if s is not None] + list(self._waiting)
-            self._waiting.clear()
+    def _abort(self, seqs: list[_Seq], reason: str, message: str) -> None:
+        """End `seqs` without a token; each request hears once, with all its choices at once."""
+        by_request: dict[int, tuple[Sink, list[TokenEvent]]] = {}
         for seq in seqs:
-            self._finish(seq, None, reason="abort")
+            if seq.done:
+                continue
+            self._finish(seq)
+            event = TokenEvent(seq.choice, -1, 0.0, (), reason, None, self.version, message)
+            by_request.setdefault(id(seq.request), (seq.request.sink, []))[1].append(event)
+        for sink, events in by_request.values():
+            _deliver(sink, events)
 
-    def _finish(self, seq: _Seq, event: TokenEvent | None, reason: str | None = None) -> None:
-        """Release a sequence's slot; with `reason`, tell its sink it ended without a token."""
+    def _step_failed(self, err: Exception, requests: list[_Request]) -> None:
+        """A device step raised: fail the requests it ran, or every slot if it ate the cache.
+
+        A step donates the cache; if the failure consumed it, every prefilled row is gone, so
+        the sequences in slots fail (503, retry) and the cache is rebuilt. Queued requests keep
+        their place either way.
+        """
+        log.error("engine step failed for %d request(s): %r", len(requests), err)
+        if self.steps.cache_lost():
+            self.steps.reset_cache()
+            lost = self._seqs_of(self._running())
+            return self._abort(lost, "abort", f"the engine lost its cache: {err}")
+        reason = "error" if len(requests) == 1 else "abort"
+        self._abort(self._seqs_of(requests), reason, f"the engine failed on this request: {err}")
+
+    def _running(self) -> list[_Request]:
+        return list({id(s.request): s.request for s in self._slots if s is not None}.values())
+
+    @staticmethod
+    def _seqs_of(requests: list[_Request]) -> list[_Seq]:
+        return [seq for request in requests for seq in request.seqs]
+
+    def _finish(self, seq: _Seq) -> None:
+        """Release a sequence's slot."""
         if seq.done:
             return
         seq.done = True
@@ -231,8 +274,6 @@ class Engine:
             self._slots[seq.slot] = None
             if seq.request.source_slot == seq.slot:
                 seq.request.source_slot = -1
-        if reason is not None:
-            seq.request.sink([TokenEvent(seq.choice, -1, 0.0, (), reason, None, self.version)])
 
     def _prefill_one(self) -> None:
         """One prompt chunk of the oldest sequence still prefilling (or a copy from a sibling)."""
@@ -240,6 +281,14 @@ class Engine:
         if not pending:
             return
         seq = min(pending, key=lambda s: (s.request.prompt_logits is None, s.slot))
+        try:
+            sampled = self._prefill_seq(seq)
+        except Exception as err:  # only this request ran in the step
+            return self._step_failed(err, [seq.request])
+        if sampled is not None:
+            self._emit([(seq, *sampled)])
+
+    def _prefill_seq(self, seq: _Seq) -> Any:
         request = seq.request
         if request.prompt_logits is not None and request.source_slot >= 0:
             self.steps.copy_slot(request.source_slot, seq.slot)
@@ -249,20 +298,21 @@ class Engine:
                 seq.slot, request.prompt, seq.prefilled
             )
             if seq.prefilled < len(request.prompt):
-                return
+                return None
             request.prompt_logits = logits
         if request.source_slot < 0:
             request.source_slot = seq.slot
-        sampled = self.steps.sample_first(
-            request.prompt_logits, request.params, seq.key, seq.choice
-        )
-        self._emit([(seq, *sampled)])
+        return self.steps.sample_first(request.prompt_logits, request.params, seq.key, seq.choice)
 
     def _decode_step(self) -> None:
         active = [s for s in self._slots if s is not None and s.generated > 0 and not s.done]
         if not active:
             return
-        out = self.steps.decode(active)
+        try:
+            out = self.steps.decode(active)
+        except Exception as err:
+            requests = list({id(s.request): s.request for s in active}.values())
+            return self._step_failed(err, requests)
         self._emit([(seq, *row) for seq, row in zip(active, out, strict=True)])
 
     def _emit(self, rows: list[tuple[_Seq, int, float, Any, Any]]) -> None:
@@ -285,6 +335,6 @@ class Engine:
             by_request.setdefault(id(request), []).append(event)
             sinks[id(request)] = request.sink
             if reason is not None:
-                self._finish(seq, None)
+                self._finish(seq)
         for key, events in by_request.items():
-            sinks[key](events)
+            _deliver(sinks[key], events)

@@ -27,7 +27,13 @@ from harnessrl.serve.output import (
     completion_logprobs,
     usage,
 )
-from harnessrl.serve.protocol import GenerationJob, RequestError, Tokenizer, parse_job
+from harnessrl.serve.protocol import (
+    GenerationJob,
+    RequestError,
+    RequestLimits,
+    Tokenizer,
+    parse_job,
+)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -45,32 +51,76 @@ class Backend:
     served: str
     max_model_len: int
     vocab_size: int
+    limits: RequestLimits
+    max_body_bytes: int
 
 
-async def read_json(receive: Receive) -> Any:
-    chunks = []
+def _too_large(limit: int) -> RequestError:
+    # The rest of the body is never read, so the connection cannot carry another request.
+    return RequestError(
+        f"the request body is over this server's {limit}-byte limit (max_body_bytes)",
+        status=413,
+        headers={"connection": "close"},
+    )
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, read chunk by chunk; RequestError 413 as soon as it passes `limit`."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise _too_large(limit)
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionError("client disconnected before the body was read")
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
-            break
+            return b"".join(chunks)
+
+
+def decode_json(raw: bytes) -> Any:
     try:
-        return orjson.loads(b"".join(chunks))
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         raise RequestError(f"the request body is not valid JSON: {err}") from err
 
 
-async def send_json(send: Send, status: int, body: Any, version: int) -> None:
+async def send_json(
+    send: Send, status: int, body: Any, version: int, extra: dict[str, str] | None = None
+) -> None:
     payload = orjson.dumps(body)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),
         (VERSION_HEADER, str(version).encode()),
+        *((k.encode(), v.encode()) for k, v in (extra or {}).items()),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+async def send_error(send: Send, err: RequestError, version: int) -> None:
+    await send_json(send, err.status, err.body(), version, err.headers)
+
+
+def _busy(message: str) -> RequestError:
+    return RequestError(message, status=503, headers={"retry-after": "1"})
+
+
+def failure(choices: list[ChoiceState]) -> RequestError | None:
+    """The error of a request whose engine run failed: 503 (retry) or 500; None if it did not."""
+    failed = [c for c in choices if c.finish_reason in ("abort", "error")]
+    if not failed:
+        return None
+    message = failed[0].error or "the engine stopped while generating"
+    if any(c.finish_reason == "abort" for c in failed):
+        return _busy(f"{message}; retry")
+    return RequestError(message, status=500)
 
 
 class GenerationEndpoint:
@@ -82,21 +132,17 @@ class GenerationEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         backend: Backend = scope["app"].state.backend
         try:
-            body = await read_json(receive)
-            job = parse_job(
-                body,
-                chat=self.chat,
-                tokenizer=backend.tokenizer,
-                served=backend.served,
-                max_model_len=backend.max_model_len,
-                vocab_size=backend.vocab_size,
-            )
+            raw = await read_body(scope, receive, backend.max_body_bytes)
+            # JSON decoding and tokenizing take time proportional to the prompt: off the loop,
+            # so one large request never stalls the others (or /health).
+            job = await asyncio.to_thread(self._parse, raw, backend)
             queue, cancel = backend.engine.submit_async(job.prompt_ids, job.params, job.max_tokens)
         except RequestError as err:
-            return await send_json(send, err.status, err.body(), backend.engine.version)
+            return await send_error(send, err, backend.engine.version)
+        except ValueError as err:  # the engine refused the request itself
+            return await send_error(send, RequestError(str(err)), backend.engine.version)
         except EngineBusy as err:
-            error = RequestError(str(err), status=503)
-            return await send_json(send, 503, error.body(), backend.engine.version)
+            return await send_error(send, _busy(str(err)), backend.engine.version)
         except ConnectionError:
             return None
         watcher = asyncio.create_task(_watch_disconnect(receive, cancel, queue))
@@ -106,6 +152,17 @@ class GenerationEndpoint:
         finally:
             watcher.cancel()
             cancel()  # no-op for finished sequences; frees slots if we stopped early
+
+    def _parse(self, raw: bytes, backend: Backend) -> GenerationJob:
+        return parse_job(
+            decode_json(raw),
+            chat=self.chat,
+            tokenizer=backend.tokenizer,
+            served=backend.served,
+            max_model_len=backend.max_model_len,
+            vocab_size=backend.vocab_size,
+            limits=backend.limits,
+        )
 
 
 async def _watch_disconnect(receive: Receive, cancel: Cancel, queue: asyncio.Queue[Any]) -> None:
@@ -163,9 +220,8 @@ class _Run:
         if not all(c.finished for c in self.choices):
             return  # the client left
         version = self.version if self.version is not None else self.backend.engine.version
-        if any(c.finish_reason == "abort" for c in self.choices):
-            error = RequestError("the engine stopped or failed while generating; retry", status=503)
-            return await send_json(send, 503, error.body(), version)
+        if (error := failure(self.choices)) is not None:
+            return await send_error(send, error, version)
         build = chat_body if self.chat else completion_body
         body = build(self.job, self.choices, self.backend.names, self.head)
         await send_json(send, 200, body, version)
@@ -173,6 +229,12 @@ class _Run:
     async def stream(self, send: Send) -> None:
         events = await self.events()
         version = self.version if self.version is not None else self.backend.engine.version
+        if events and len({e.choice for e in events if e.token < 0}) == len(self.choices):
+            for event in events:  # failed before any token: nothing sent yet, a plain error
+                self.accept(event)
+            error = failure(self.choices)
+            if error is not None:
+                return await send_error(send, error, version)
         headers = [
             (b"content-type", b"text/event-stream"),
             (b"cache-control", b"no-cache"),
@@ -185,8 +247,12 @@ class _Run:
         while events is not None:
             for event in events:
                 start = len(self.choices[event.choice].token_ids)
-                if self.accept(event):
-                    await self._send_chunk(send, self._chunk(event.choice, start))
+                if not self.accept(event):
+                    continue
+                error = failure([self.choices[event.choice]]) if event.token < 0 else None
+                # vLLM's stream form of an error: a data chunk holding the error body
+                chunk = error.body() if error is not None else self._chunk(event.choice, start)
+                await self._send_chunk(send, chunk)
             events = await self.events()
         if not all(c.finished for c in self.choices):
             return

@@ -23,9 +23,10 @@ class TokenEvent:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (id, logprob), best first; empty unless asked for
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" (engine stopped/lost) | "error" | None
     stop_reason: int | None  # the stop token id that ended it, if not EOS
     version: int
+    error: str | None = None  # why the engine ended it without a token
 
 
 class TokenText:
@@ -69,6 +70,7 @@ class ChoiceState:
     sent: int = 0  # characters of `text` already streamed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # set when the engine failed this choice ("abort" or "error")
     _prefix: int = 0
     _read: int = 0
 
@@ -92,7 +94,7 @@ class ChoiceState:
         if self.finished:
             return False
         if event.token < 0:  # the engine ended it without a token (shutdown or fault)
-            self.finish_reason = event.finish_reason
+            self.finish_reason, self.error = event.finish_reason, event.error
             return True
         self.token_ids.append(event.token)
         self.logprobs.append(event.logprob)

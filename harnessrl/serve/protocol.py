@@ -7,8 +7,10 @@ text or token ids. Length limits are checked here so the engine only sees reques
 from __future__ import annotations
 
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Protocol
 
+from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.sampling import SamplingParams, parse_sampling
 from harnessrl.serve.tools import validate_tools
 
@@ -30,22 +32,55 @@ class Tokenizer(Protocol):
 class RequestError(Exception):
     """A client error, rendered as vLLM's `{"error": {...}}` body with this status."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+        # vLLM's own names where it has them; otherwise the status phrase, as vLLM's handler of
+        # Starlette's HTTPException (404/405 routes, 413, 431...) writes it.
+        kind = {
+            400: "BadRequestError",
+            404: "NotFoundError",
+            500: "InternalServerError",
+            503: "ServiceUnavailableError",
+        }
         return {
             "error": {
                 "message": self.message,
-                "type": kind.get(self.status, "InternalServerError"),
+                "type": kind.get(self.status) or HTTPStatus(self.status).phrase,
                 "param": self.param,
                 "code": self.status,
             }
         }
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one generation request may ask for; checked before tokenizing or queueing."""
+
+    max_n: int = ServeConfig.max_n
+    max_request_tokens: int = ServeConfig.max_request_tokens
+    max_prompt_chars: int = ServeConfig.max_prompt_chars
+
+    @classmethod
+    def of(cls, config: ServeConfig) -> RequestLimits:
+        # More choices than slots plus queue could never be admitted: a 400, not a 503 forever.
+        return cls(
+            max_n=min(config.max_n, config.num_slots + config.max_waiting),
+            max_request_tokens=config.max_request_tokens,
+            max_prompt_chars=config.max_prompt_chars,
+        )
 
 
 @dataclass(frozen=True)
@@ -100,13 +135,45 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _prompt_ids(value: Any, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
+def text_chars(value: Any, limit: int) -> int:
+    """Characters in every string of a decoded JSON value (keys too); stops once past `limit`.
+
+    Iterative, so a value nested as deep as the JSON parser allows cannot exhaust the stack.
+    """
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def _check_chars(value: Any, limits: RequestLimits, param: str) -> None:
+    chars = text_chars(value, limits.max_prompt_chars)
+    if chars > limits.max_prompt_chars:
+        raise RequestError(
+            f"the {param} hold more than {limits.max_prompt_chars} characters, this server's "
+            f"limit before tokenizing; send a shorter {param}",
+            param=param,
+        )
+
+
+def _prompt_ids(
+    value: Any, tokenizer: Tokenizer, vocab_size: int, max_model_len: int
+) -> tuple[list[int], str | None]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one
     if isinstance(value, str):
         if not value:
             raise RequestError("prompt must not be empty", param="prompt")
         return list(tokenizer.encode(value)), value
+    if isinstance(value, list) and len(value) >= max_model_len:
+        _check_length(len(value), SamplingParams(), max_model_len)  # before reading every id
     if (
         isinstance(value, list)
         and value
@@ -123,6 +190,20 @@ def _prompt_ids(value: Any, tokenizer: Tokenizer, vocab_size: int) -> tuple[list
         "(batched prompts are not supported)",
         param="prompt",
     )
+
+
+def _check_choices(n: int, max_tokens: int | None, limits: RequestLimits, room: int) -> None:
+    """`n` and n × max_tokens against the limits; `room` is what an unset max_tokens fills."""
+    if n > limits.max_n:
+        raise RequestError(f"n must be <= {limits.max_n} on this server, got {n}", param="n")
+    per_choice = room if max_tokens is None else max_tokens
+    if n * per_choice > limits.max_request_tokens:
+        what = f"max_tokens={max_tokens}" if max_tokens is not None else f"{room} tokens each"
+        raise RequestError(
+            f"n={n} choices of {what} ask for {n * per_choice} tokens, over this server's limit "
+            f"of {limits.max_request_tokens} per request; lower n or max_tokens",
+            param="max_tokens" if max_tokens is not None else "n",
+        )
 
 
 def _check_length(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
@@ -157,10 +238,55 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, bool(options.get("include_usage", False)), ids
 
 
+def tokenize_body(body: Any, tokenizer: Tokenizer, limits: RequestLimits) -> list[int]:
+    """`/tokenize`: `{"prompt": str}` or `{"messages": [...]}` (+ `tools`) → token ids."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if "messages" in body:
+        try:
+            tools = validate_tools(body.get("tools"), body.get("tool_choice"))
+        except ValueError as err:
+            raise RequestError(str(err), param="tools") from err
+        return chat_prompt(body, tokenizer, tools, limits)
+    if not isinstance(body.get("prompt"), str):
+        raise RequestError("give `prompt` (a string) or `messages` (a list)", param="prompt")
+    _check_chars(body["prompt"], limits, "prompt")
+    return list(tokenizer.encode(body["prompt"]))
+
+
+def chat_prompt(
+    body: dict[str, Any], tokenizer: Tokenizer, tools: Any, limits: RequestLimits
+) -> list[int]:
+    """The chat body's messages rendered by the model's template (checked, then tokenized)."""
+    messages = _messages(body.get("messages"))
+    _check_chars([messages, tools], limits, "messages")
+    add_prompt = bool(body.get("add_generation_prompt", True))
+    try:
+        return list(
+            tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_prompt)
+        )
+    except Exception as err:  # the template is code run on client data: its failure is a 400
+        raise RequestError(
+            f"the chat template cannot render these messages: {err}", param="messages"
+        ) from err
+
+
 def parse_job(
-    body: Any, *, chat: bool, tokenizer: Tokenizer, served: str, max_model_len: int, vocab_size: int
+    body: Any,
+    *,
+    chat: bool,
+    tokenizer: Tokenizer,
+    served: str,
+    max_model_len: int,
+    vocab_size: int,
+    limits: RequestLimits | None = None,
 ) -> GenerationJob:
-    """A decoded JSON body → `GenerationJob`, or RequestError (400/404) saying what to fix."""
+    """A decoded JSON body → `GenerationJob`, or RequestError (400/404) saying what to fix.
+
+    Everything cheap (fields, `n`, n × max_tokens, prompt characters) is checked before the
+    prompt is tokenized, and nothing here allocates per choice.
+    """
+    limits = limits or RequestLimits()
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     check_model(body, served)
@@ -169,26 +295,18 @@ def parse_job(
         tools = validate_tools(body.get("tools"), body.get("tool_choice")) if chat else None
     except ValueError as err:
         raise RequestError(str(err)) from err
+    _check_choices(params.n, params.max_tokens, limits, room=1)
     stream, include_usage, return_ids = _stream_flags(body)
     echo_text = None
     if chat:
-        messages = _messages(body.get("messages"))
-        add_prompt = bool(body.get("add_generation_prompt", True))
-        try:
-            prompt_ids = list(
-                tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add_prompt
-                )
-            )
-        except Exception as err:  # the template is code run on client data: its failure is a 400
-            raise RequestError(
-                f"the chat template cannot render these messages: {err}", param="messages"
-            ) from err
+        prompt_ids = chat_prompt(body, tokenizer, tools, limits)
     else:
-        prompt_ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab_size)
+        _check_chars(body.get("prompt"), limits, "prompt")
+        prompt_ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab_size, max_model_len)
         if body.get("echo"):
             echo_text = text if text is not None else tokenizer.decode(prompt_ids)
     max_tokens = _check_length(len(prompt_ids), params, max_model_len)
+    _check_choices(params.n, params.max_tokens, limits, room=max_tokens)
     return GenerationJob(
         chat=chat,
         prompt_ids=prompt_ids,

@@ -36,10 +36,9 @@ class DeviceSteps:
         # committed-ness too, and jit outputs (the cache after a step, swapped params) are committed.
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
         device = jax.tree.leaves(self.state)[0].sharding
-        device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
-        self.cache = jax.device_put(
-            KVCache.create(cfg, slots=config.num_slots, max_len=config.max_model_len), device
-        )
+        self._device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
+        self._model_config = cfg
+        self.cache = self._new_cache()
         self.traces = 0
         self._decode = jax.jit(
             self._counted(self._decode_fn), static_argnums=(0,), donate_argnums=(2,)
@@ -49,6 +48,36 @@ class DeviceSteps:
         )
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
+
+    def _new_cache(self) -> KVCache:
+        cache = KVCache.create(
+            self._model_config, slots=self.config.num_slots, max_len=self.config.max_model_len
+        )
+        return jax.device_put(cache, self._device)
+
+    def cache_lost(self) -> bool:
+        """True if a failed step consumed the donated cache (its buffers are gone)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
+    def reset_cache(self) -> None:
+        """A fresh, empty cache placed like the first one (so nothing recompiles)."""
+        self.cache = self._new_cache()
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """ValueError if `params` cannot be laid into the sampler's per-row arrays.
+
+        Run when a request is submitted, so a setting that would fail a step shared with other
+        requests (an int32 overflow, a NaN) is refused on its own.
+        """
+        try:
+            with np.errstate(all="raise"):
+                rows = self._sampling([(params, np.zeros(2, np.uint32), 0, 0)], 1)
+        except (OverflowError, ValueError, TypeError, FloatingPointError) as err:
+            raise ValueError(f"sampling settings cannot run: {err}") from err
+        if not all(np.isfinite(x).all() for x in rows[:4]):
+            raise ValueError(f"sampling settings must be finite numbers, got {params!r:.300}")
+        if params.n < 1 or (params.logprobs is not None and params.logprobs < 0):
+            raise ValueError(f"n must be >= 1 and logprobs >= 0, got {params!r:.300}")
 
     def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def traced(*args: Any) -> Any:

@@ -1,0 +1,156 @@
+"""HTTP edge shared by the embedded server and the sidecar: uvicorn with bounded request heads.
+
+In: an ASGI app, a bind address and `HttpLimits`. Out: a `uvicorn.Config` whose connections are
+refused (431) when their request head outgrows `max_header_bytes`, and closed (408) when a head
+takes longer than `read_timeout_s` to arrive or a body pauses that long, so slow clients
+(slowloris) cannot pin connections and memory forever. uvicorn's httptools protocol has neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-connection limits applied before the app sees a request."""
+
+    max_header_bytes: int = 64 * 1024  # request line + headers
+    read_timeout_s: float = 30.0  # whole head, and the longest pause inside a body
+
+    def __post_init__(self) -> None:
+        size = self.max_header_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
+            raise ValueError(f"max_header_bytes must be an integer >= 1024, got {size!r}")
+        timeout = self.read_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError(f"read_timeout_s must be a number of seconds, got {timeout!r}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"read_timeout_s must be finite and > 0, got {timeout!r}")
+
+
+def error_response(status: int, message: str) -> bytes:
+    """A complete HTTP/1.1 response in vLLM's error shape that closes the connection."""
+    phrase = HTTPStatus(status).phrase
+    body = orjson.dumps(
+        {"error": {"message": message, "type": phrase, "param": None, "code": status}}
+    )
+    head = (
+        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class LimitedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol plus a head size cap and head/body read deadlines.
+
+    The head is counted as bytes fed to the parser until it reports the headers complete, so
+    the parser never buffers more than the limit plus one socket read.
+    """
+
+    limits = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._in_body = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # an idle new connection is a head that never arrives
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        elif self._in_body:
+            self._arm()  # the body moved: its pause timer starts again
+        super().data_received(data)
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(
+                431,
+                f"request line and headers exceed {self.limits.max_header_bytes} bytes",
+            )
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._in_head:  # a keep-alive connection's next request: a fresh head deadline
+            self._in_head, self._head_bytes = True, 0
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._in_body = False, True
+        self._arm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._disarm()
+        super().on_message_complete()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.limits.read_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self._in_body and self.flow.read_paused:
+            self._arm()  # the app has not read what it was sent: the client is not the slow one
+            return
+        if self._in_head and self._head_bytes == 0:
+            self.transport.close()  # nothing sent: a plain idle close, like keep-alive expiry
+            return
+        if self._in_head or self._in_body:
+            what = "request headers" if self._in_head else "request body"
+            self._refuse(408, f"{what} not received within {self.limits.read_timeout_s} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._disarm()
+        self._in_head = self._in_body = False
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # the app already answered part of it; just hang up
+            return
+        self.transport.write(error_response(status, message))
+        self.transport.close()
+
+
+def limited_protocol(limits: HttpLimits) -> type[LimitedHttpTools]:
+    """A `LimitedHttpTools` subclass bound to `limits` (uvicorn builds one per connection)."""
+    if not isinstance(limits, HttpLimits):
+        raise TypeError(f"limits must be an HttpLimits, got {type(limits).__name__}")
+    chosen = limits
+
+    class Bound(LimitedHttpTools):
+        limits = chosen
+
+    return Bound
+
+
+def server_config(
+    app: Any, *, host: str, port: int, limits: HttpLimits, **options: Any
+) -> uvicorn.Config:
+    """uvicorn's config for `app` with the limited protocol; `options` are uvicorn's own."""
+    if "http" in options:
+        raise ValueError("server_config sets uvicorn's `http` protocol itself; do not pass it")
+    return uvicorn.Config(app, host=host, port=port, http=limited_protocol(limits), **options)
