@@ -1,55 +1,70 @@
-"""Benchmark: learner forward+backward+AdamW tokens/s on SmolLM2 and the fraction of matmul peak.
+"""Benchmark: learner forward+backward+AdamW tokens/s on SmolLM2, against PyTorch in the same run.
 
-Full train steps (one packed `[rows, len]` micro-batch + apply) per numerics variant, each step
-right after a probe of the machine's matmul peak (large jitted `a @ b` in each compute dtype), so
-every step is compared with the peak of the same moment: a shared host's speed drifts by tens of
-percent over minutes. Model FLOPs per token follow the PaLM accounting: 6 x matmul params + 12 x
-layers x heads x head_dim x len. Last line: `learner: tokens_per_s=<x> peak_fraction=<y>
-compiles=<n>` for the best variant, medians over its steps.
+Full train steps (one packed `[rows, len]` micro-batch + apply) per numerics variant. Every timed
+round runs, back to back: a probe of the machine's matmul peak (large jitted `a @ b` in each
+compute dtype), one of our steps, and one step of the PyTorch baseline (transformers' model on the
+same weights and batch: forward, the same clipped policy-gradient loss, backward, global-norm
+clipping, `torch.optim.AdamW`, float32). A shared host's speed drifts by tens of percent over
+minutes, so each step is compared with the peak and the torch step of the same moment. All
+figures are wall-clock (the time a user waits), medians over the rounds. Model FLOPs per token
+follow the PaLM accounting: 6 x matmul params + 12 x layers x heads x head_dim x len. Last line:
+`learner: tokens_per_s=<x> vs_torch=<r> peak_fraction=<f> compiles=<n>` for the best variant,
+where vs_torch is ours over torch tokens/s (> 1: we are faster); `--no-torch` leaves it out.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harnessrl.benchmarks.model import flops_per_token
+from harnessrl.benchmarks.model import flops_per_token, torch_reference
 from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.losses import MAX_LOG_RATIO
 from harnessrl.learner.step import Learner
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": dict(compute_dtype="float32"),
     "bf16": dict(compute_dtype="bfloat16"),
     "fp32_remat": dict(compute_dtype="float32", remat=True),
     "fp32_scan": dict(compute_dtype="float32", scan_unroll=1),  # layers not unrolled
 }
+LEARNING_RATE = 1e-6
+LOSS_ARRAYS = ("loss_mask", "behavior_logprobs", "advantages", "token_weights")
+MIN_LENGTH = 40  # packed_batch cuts rows at positions in [16, length - 16)
+TORCH_MISSING = (
+    "the PyTorch baseline needs torch, a dev extra: pip install -e '.[dev]' (or "
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu); "
+    "pass --no-torch to skip the baseline"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rate:
-    """FLOP/s two ways: per wall second, and per CPU second of this process.
+    """A rate two ways: per wall second, and per CPU second of this process.
 
-    On a CPU host shared with other work, wall time absorbs whatever the neighbours take; CPU
-    time counts only what this process ran, so the ratio of two CPU-time rates measured in one
-    run stays meaningful (on an idle host the two agree up to the core count).
+    The wall figure is what a user waits for and the one reported. The CPU-time figure is printed
+    beside it because on a host shared with other work it counts only what this process ran.
     """
 
     wall: float
     cpu: float
 
 
-def measure(fn, flops: float, repeats: int) -> Rate:
+def measure(fn: Callable[[], object], amount: float, repeats: int) -> Rate:
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         fn()
     return Rate(
-        flops * repeats / (time.perf_counter() - wall),
-        flops * repeats / (time.process_time() - cpu),
+        amount * repeats / (time.perf_counter() - wall),
+        amount * repeats / (time.process_time() - cpu),
     )
 
 
@@ -61,6 +76,12 @@ def matmul_peak(dtype: str, size: int = 2048, repeats: int = 10) -> Rate:
     f(a, a).block_until_ready()
     runs = [measure(lambda: f(a, a).block_until_ready(), 2 * size**3, repeats) for _ in range(3)]
     return Rate(max(r.wall for r in runs), max(r.cpu for r in runs))
+
+
+def machine_peak(size: int = 2048) -> Rate:
+    """The best matmul rate right now, whichever compute dtype gives it."""
+    peaks = [matmul_peak(dt, size, repeats=4) for dt in ("float32", "bfloat16")]
+    return Rate(max(p.wall for p in peaks), max(p.cpu for p in peaks))
 
 
 def packed_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -87,10 +108,72 @@ def packed_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str,
     }
 
 
-def machine_peak() -> Rate:
-    """The best matmul rate right now, whichever compute dtype gives it."""
-    peaks = [matmul_peak(dt, repeats=4) for dt in ("float32", "bfloat16")]
-    return Rate(max(p.wall for p in peaks), max(p.cpu for p in peaks))
+def torch_logprobs(reference: Any, batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    """The torch model's per-token logprobs and entropies `[rows, len]`, target-aligned.
+
+    Packed rows attend within their own segment only (a block-diagonal causal mask, as our
+    attention does from `segment_ids`) and restart RoPE at each segment's `positions`.
+    """
+    import torch
+
+    ids = torch.from_numpy(batch["tokens"].astype(np.int64))
+    seg = torch.from_numpy(batch["segment_ids"])
+    length = ids.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal  # True: query may attend to key
+    logits = reference(
+        input_ids=ids,
+        position_ids=torch.from_numpy(batch["positions"].astype(np.int64)),
+        attention_mask=allowed[:, None],
+    ).logits  # the model's dtype: float32 here, float64 for a reference run
+    logp_all = torch.log_softmax(logits, dim=-1)
+    # Position t scores token t+1; shifting the ids, not the logits, avoids a [b, t, v] copy.
+    next_ids = torch.roll(ids, -1, dims=1)
+    logp = logp_all.gather(-1, next_ids[..., None])[..., 0]
+    with torch.no_grad():  # a metric in our step too, never differentiated at entropy_coef=0
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pad = torch.zeros_like(logp[:, :1])
+    return torch.cat([pad, logp[:, :-1]], 1), torch.cat([pad, entropy[:, :-1]], 1)
+
+
+def torch_loss(reference: Any, batch: dict[str, np.ndarray], cfg: LearnerConfig) -> Any:
+    """Our step's loss (`harnessrl.learner.losses`, no KL or entropy term) in torch."""
+    import torch
+
+    logp, _ = torch_logprobs(reference, batch)
+    as_torch = {k: torch.from_numpy(batch[k]).to(logp.dtype) for k in batch if k in LOSS_ARRAYS}
+    # Untrained positions may carry any behavior value; pinned to logp, as ours are.
+    trained = as_torch["loss_mask"] > 0
+    behavior = torch.where(trained, as_torch["behavior_logprobs"], logp.detach())
+    ratio = torch.exp(torch.clamp(logp - behavior, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    adv = as_torch["advantages"]
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    surrogate = torch.maximum(-adv * ratio, -adv * clipped)
+    truncation = torch.clamp(cfg.tis_cap / ratio.detach(), max=1.0)
+    return (as_torch["token_weights"] * surrogate * truncation).sum()
+
+
+def torch_train_step(
+    reference: Any, batch: dict[str, np.ndarray], cfg: LearnerConfig
+) -> Callable[[], None]:
+    """One torch step doing our step's work: loss, backward, global-norm clip, AdamW."""
+    import torch
+
+    reference.train()
+    optimizer = torch.optim.AdamW(
+        reference.parameters(),
+        lr=cfg.learning_rate,
+        betas=(cfg.b1, cfg.b2),
+        weight_decay=cfg.weight_decay,  # torch's default is 0.01, optax's (and ours) 0
+    )
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch_loss(reference, batch, cfg).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.grad_clip_norm)
+        optimizer.step()
+
+    return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,49 +183,109 @@ class Run:
     fraction: Rate  # median of each step's model FLOP/s over the peak probed just before it
     compile_s: float
     compiles: int
+    torch_tokens: float | None  # median torch tokens per wall second, same rounds
+    vs_torch: float | None  # median over rounds of our tokens/s over torch's in that round
 
 
-def time_variant(name: str, model, batch: dict, steps: int, flops_per_token: float) -> Run:
-    learner = Learner(model, LearnerConfig(learning_rate=1e-6, **VARIANTS[name]))
+def median_rate(values: Sequence[Rate]) -> Rate:
+    return Rate(
+        float(np.median([v.wall for v in values])), float(np.median([v.cpu for v in values]))
+    )
+
+
+def time_variant(
+    name: str,
+    model: Any,
+    batch: dict[str, np.ndarray],
+    steps: int,
+    flops_per_token: float,
+    peak_size: int,
+    torch_step: Callable[[], None] | None,
+) -> Run:
+    learner = Learner(model, LearnerConfig(learning_rate=LEARNING_RATE, **VARIANTS[name]))
     start = time.perf_counter()
     learner.train_step([batch])  # compile + first step
     compile_s = time.perf_counter() - start
-    rates, fractions = [], []
+    n = batch["tokens"].size
+    rates, fractions, torch_rates = [], [], []
     for _ in range(steps):
-        peak = machine_peak()
-        rate = measure(lambda: learner.train_step([batch]), batch["tokens"].size, 1)
+        peak = machine_peak(peak_size)
+        rate = measure(lambda: learner.train_step([batch]), n, 1)
         rates.append(rate)
         fractions.append(
             Rate(rate.wall * flops_per_token / peak.wall, rate.cpu * flops_per_token / peak.cpu)
         )
+        if torch_step is not None:
+            torch_rates.append(measure(torch_step, n, 1).wall)
+    # Each round's own ratio: ours and torch a few seconds apart, on the same host speed.
+    pairs = zip(rates, torch_rates, strict=True) if torch_rates else ()
+    ratios = [ours.wall / theirs for ours, theirs in pairs]
+    return Run(
+        name,
+        median_rate(rates),
+        median_rate(fractions),
+        compile_s,
+        learner.compile_count,
+        float(np.median(torch_rates)) if torch_rates else None,
+        float(np.median(ratios)) if ratios else None,
+    )
 
-    def median(values: list[Rate]) -> Rate:
-        return Rate(
-            float(np.median([v.wall for v in values])), float(np.median([v.cpu for v in values]))
-        )
 
-    return Run(name, median(rates), median(fractions), compile_s, learner.compile_count)
+def torch_baseline(model: Any, batch: dict[str, np.ndarray]) -> Callable[[], None]:
+    """The warmed-up torch step, on every core this process may run on (as XLA's pool is)."""
+    import torch
+
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(threads or 1)
+    step = torch_train_step(
+        torch_reference(model), batch, LearnerConfig(learning_rate=LEARNING_RATE)
+    )
+    step()  # warm-up: allocates AdamW's moments and the autograd buffers
+    print(
+        f"torch baseline: torch {torch.__version__}, {torch.get_num_threads()} threads (every core "
+        "this process may use); transformers model on the same weights and batch, sdpa attention "
+        "with the packed segments' mask, same loss, clip_grad_norm_, torch.optim.AdamW, float32, "
+        "1 warm-up step"
+    )
+    return step
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The flags and variant names; a missing torch is reported here, before minutes of work."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help="smollm2 | HF folder | .gguf path")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds per variant")
     parser.add_argument("--variants", default="fp32,bf16", help=f"comma list of {sorted(VARIANTS)}")
-    args = parser.parse_args()
+    parser.add_argument("--peak-size", type=int, default=2048, help="matmul probe side")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    args = parser.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(names) - set(VARIANTS))
-    if unknown:
-        raise ValueError(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    if unknown or not names:
+        parser.error(f"--variants: unknown {unknown or names}; choose from {sorted(VARIANTS)}")
+    if args.rows < 1 or args.length < MIN_LENGTH or args.steps < 1 or args.peak_size < 1:
+        parser.error(
+            f"need --rows >= 1, --length >= {MIN_LENGTH}, --steps >= 1 and --peak-size >= 1; got "
+            f"{args.rows}, {args.length}, {args.steps} and {args.peak_size}"
+        )
+    if not args.no_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            parser.error(TORCH_MISSING)
+    return args, names
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, names = parse_args(argv)
     from harnessrl.model.load import load_model
 
     devices = jax.devices()
-    print(f"devices: {len(devices)} x {devices[0].device_kind}")
+    print(f"devices: {len(devices)} x {devices[0].device_kind}; XLA uses every core")
     for dt in ("float32", "bfloat16"):
-        p = matmul_peak(dt)
+        p = matmul_peak(dt, args.peak_size)
         print(
             f"matmul peak {dt}: {p.wall / 1e9:.1f} GFLOP/s wall, {p.cpu / 1e9:.1f} per CPU-second"
         )
@@ -152,24 +295,32 @@ def main() -> None:
     fpt = flops_per_token(cfg, args.length)
     print(
         f"model: {cfg.num_layers} layers, d={cfg.hidden_size}; {fpt / 1e9:.3f} GFLOP/token; "
-        f"micro-batch {args.rows}x{args.length}; {args.steps} timed steps per variant"
+        f"micro-batch {args.rows}x{args.length}; {args.steps} timed rounds per variant"
     )
-    best: Run | None = None
-    for name in names:
-        run = time_variant(name, loaded.model, batch, args.steps, fpt)
-        print(
-            f"{name:>11}: {run.tokens.wall:7.1f} tokens/s ({run.tokens.wall * fpt / 1e9:5.1f} GFLOP/s) "
-            f"peak_fraction wall={run.fraction.wall:.3f} cpu-time={run.fraction.cpu:.3f}  "
-            f"compile {run.compile_s:.0f} s  compiles={run.compiles}"
-        )
-        if best is None or run.fraction.cpu > best.fraction.cpu:
-            best = run
-    assert best is not None
-    run, frac = best, best.fraction.cpu
-    print(f"best: {run.name}; peak_fraction below is per CPU-second (robust to a shared host)")
+    torch_step = None if args.no_torch else torch_baseline(loaded.model, batch)
+    runs = [
+        report(time_variant(name, loaded.model, batch, args.steps, fpt, args.peak_size, torch_step))
+        for name in names
+    ]
+    best = max(runs, key=lambda run: run.fraction.wall)
+    print(f"best: {best.name} (highest wall-clock fraction of the peak probed beside each step)")
+    vs = "" if best.vs_torch is None else f" vs_torch={best.vs_torch:.2f}"
     print(
-        f"learner: tokens_per_s={run.tokens.wall:.1f} peak_fraction={frac:.3f} compiles={run.compiles}"
+        f"learner: tokens_per_s={best.tokens.wall:.1f}{vs} "
+        f"peak_fraction={best.fraction.wall:.3f} compiles={best.compiles}"
     )
+
+
+def report(run: Run) -> Run:
+    torch_part = ""
+    if run.vs_torch is not None:
+        torch_part = f"  torch {run.torch_tokens:7.1f} tokens/s  vs_torch={run.vs_torch:.2f}"
+    print(
+        f"{run.name:>11}: {run.tokens.wall:7.1f} tokens/s  peak_fraction wall={run.fraction.wall:.3f} "
+        f"(per CPU-second {run.fraction.cpu:.3f}){torch_part}  compile {run.compile_s:.0f} s  "
+        f"compiles={run.compiles}"
+    )
+    return run
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,23 +80,39 @@ def ours_step(model: Decoder, tokens: np.ndarray) -> Callable[[], object]:
     return lambda: grad_step(params)
 
 
+def torch_reference(model: Decoder, attn: str = "sdpa") -> Any:
+    """transformers' PyTorch model holding exactly `model`'s weights (float32, no random init).
+
+    Raises ImportError when torch is not installed (it is a dev extra).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from harnessrl.model.export import params_numpy
+    from harnessrl.model.hf_import import hf_from_params
+
+    hf_config = model.cfg.to_hf_config()
+    with no_init_weights():  # every weight is overwritten below; random init would only cost time
+        reference = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**hf_config), attn_implementation=attn, dtype=torch.float32
+        )
+    state = {
+        k: torch.from_numpy(np.array(v, np.float32))
+        for k, v in hf_from_params(model.cfg, params_numpy(model)).items()
+    }
+    if hf_config["tie_word_embeddings"]:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    reference.load_state_dict(state, strict=True)
+    return reference
+
+
 def torch_step(model: Decoder, tokens: np.ndarray) -> Callable[[], object] | None:
     try:
         import torch
     except ImportError:
         return None
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from harnessrl.model.export import params_numpy
-    from harnessrl.model.hf_import import hf_from_params
-
-    cfg = model.cfg
-    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg.to_hf_config()))
-    state = {
-        k: torch.from_numpy(np.array(v, np.float32))
-        for k, v in hf_from_params(cfg, params_numpy(model)).items()
-    }
-    reference.load_state_dict(state, strict=False)
+    reference = torch_reference(model)
     reference.train()
     ids = torch.from_numpy(tokens.astype(np.int64))
 
