@@ -19,6 +19,7 @@ import yaml
 
 from harnessrl.data.pipeline import DataConfig
 from harnessrl.learner.config import LearnerConfig
+from harnessrl.rollout.round import POSTED_REWARD
 from harnessrl.serve.config import ServeConfig
 
 LOOP_MODES = ("sync", "async")
@@ -78,7 +79,11 @@ class RolloutConfig:
     tasks_per_step: int = 6  # tasks sampled per step; each is run group_size times (one group)
     group_size: int = 8
     eval_runs_per_task: int = 1
-    evaluator: str = "exact_number"  # exact_number | exact_match | contains | exit_code
+    # exact_number | exact_match | contains | exit_code, or your own module:function
+    evaluator: str = "exact_number"
+    # keep: a reward the harness posted itself stands (the evaluator scores the others) |
+    # ignore: the evaluator scores every run | require: a run that posted none is marked failed
+    posted_reward: str = "keep"
     concurrency: int = 16  # harness processes at once
     timeout_s: float = 300.0  # per run; the process group is killed after it
     kill_grace_s: float = 2.0  # between TERM and KILL
@@ -86,6 +91,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check_choice("rollout.launcher", self.launcher, LAUNCHERS)
         _check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _check_choice("rollout.posted_reward", self.posted_reward, tuple(POSTED_REWARD))
         _check_min("rollout.sidecar_port", self.sidecar_port, 1)
         if self.launcher == "kubernetes":
             if not self.image:

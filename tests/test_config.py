@@ -71,6 +71,7 @@ def test_smoke_preset_and_overrides_on_top() -> None:
         ("run.loop=sometimes", "run.loop must be one of"),
         ("learner.learning_rate=-1", "learning_rate"),
         ("rollout.group_size=0", "rollout.group_size must be an integer >= 1"),
+        ("rollout.posted_reward=sometimes", "rollout.posted_reward must be one of"),
     ],
 )
 def test_bad_overrides_name_the_key(override: str, message: str) -> None:

@@ -1,11 +1,15 @@
 """Evaluators: a finished run (its final output, the task, its calls) → a reward.
 
 In: a `Task`, the launcher's `RunResult` and the run's `CallRecord`s. Out: an `Evaluation`
-(reward and details for the rollout record). Programmatic checks for answer-style tasks.
+(reward and details for the rollout record). Programmatic checks for answer-style tasks, or a
+user's own reward function named as `module:function`.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,9 +105,59 @@ EVALUATORS: dict[str, Callable[[Task, RunResult, Sequence[CallRecord]], Evaluati
 
 
 def get_evaluator(name: str) -> Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]:
+    """A built-in evaluator by name, or a user's reward function as `module:function`."""
+    if ":" in name:
+        return _import_evaluator(name)
     try:
         return EVALUATORS[name]
     except KeyError:
         raise ValueError(
-            f"unknown evaluator {name!r}; choose one of {sorted(EVALUATORS)}"
+            f"unknown rollout.evaluator {name!r}; choose one of {sorted(EVALUATORS)} "
+            "or name your own function as module:function"
         ) from None
+
+
+def _import_evaluator(spec: str) -> Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]:
+    module_name, _, attr = spec.partition(":")
+    key = f"rollout.evaluator={spec!r}"
+    if not module_name or not attr:
+        raise ValueError(f"{key}: write it as module:function, e.g. my_rewards:score")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"{key}: cannot import module {module_name!r} ({err}); put its folder on PYTHONPATH "
+            "or start the trainer from that folder"
+        ) from err
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"{key}: {attr!r} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError as err:
+        raise ValueError(f"{key}: {attr} must take (task, result, calls): {err}") from err
+    except ValueError:
+        pass  # no signature to check (some builtins); a wrong one fails at the first call
+
+    def evaluate(task: Task, result: RunResult, calls: Sequence[CallRecord]) -> Evaluation:
+        return _as_evaluation(spec, fn(task, result, calls))
+
+    return evaluate
+
+
+def _as_evaluation(spec: str, value: Any) -> Evaluation:
+    """A user function may return an `Evaluation` or a bare number (a bool counts as 0 or 1)."""
+    evaluation = value if isinstance(value, Evaluation) else None
+    reward = evaluation.reward if evaluation is not None else value
+    if not isinstance(reward, int | float):
+        raise TypeError(
+            f"rollout.evaluator={spec!r} returned {type(value).__name__} {value!r}; "
+            "return a number or an Evaluation(reward, info)"
+        )
+    if not math.isfinite(reward):
+        raise ValueError(f"rollout.evaluator={spec!r} returned a non-finite reward {reward!r}")
+    return evaluation if evaluation is not None else Evaluation(float(reward))

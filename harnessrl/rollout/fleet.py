@@ -19,6 +19,7 @@ import httpx
 
 from harnessrl.rollout.weight_sync import EmbeddedSync, VLLMSync, VLLMSyncConfig, WeightSync
 from harnessrl.serve.app import ServerHandle
+from proxy_sidecar.control import rollout_token
 
 KEEP_EXPORTS = 2  # the served version and the one before it: a server mid-reload still finds it
 
@@ -89,6 +90,10 @@ def remote_serving(urls: str, weight_sync: str, export_root: Path, tokenizer: An
 class Capture(Protocol):
     def base_url(self, rollout_id: str) -> str: ...
 
+    def reward_credential(self, rollout_id: str) -> tuple[str, str]:
+        """(URL, bearer token) with which this rollout's harness may post its own reward."""
+        ...
+
     def hold(self, version: int) -> contextlib.AbstractContextManager[None]: ...
 
     def stop(self) -> None: ...
@@ -100,6 +105,10 @@ class LocalCapture:
     def __init__(self, sidecar: Any) -> None:
         self.sidecar = sidecar
         self.base_url = sidecar.base_url
+
+    def reward_credential(self, rollout_id: str) -> tuple[str, str]:
+        url = f"{self.sidecar.url}/rollouts/{rollout_id}/reward"
+        return url, rollout_token(self.sidecar.token, rollout_id)
 
     @contextlib.contextmanager
     def hold(self, version: int) -> Iterator[None]:
@@ -127,12 +136,18 @@ class PodCapture:
             )
         self.launcher = launcher
         self.port = launcher.config.sidecar.port
+        self._token = token
         self.client = client or httpx.Client(
             headers={"Authorization": f"Bearer {token}"}, timeout=150.0
         )
 
     def base_url(self, rollout_id: str) -> str:
         return f"http://127.0.0.1:{self.port}/rollouts/{rollout_id}/v1"  # inside the pod
+
+    def reward_credential(self, rollout_id: str) -> tuple[str, str]:
+        # The pod's sidecar holds the same control token (Secret harnessrl-control).
+        url = f"http://127.0.0.1:{self.port}/rollouts/{rollout_id}/reward"
+        return url, rollout_token(self._token, rollout_id)
 
     @contextlib.contextmanager
     def hold(self, version: int) -> Iterator[None]:

@@ -99,6 +99,8 @@ def _harness_container(spec: RunSpec, cfg: KubernetesLauncherConfig) -> dict[str
         "HARNESSRL_TASK_FILE": task_file,
         "HARNESSRL_TASK_PROMPT": spec.task.prompt,
     }
+    if spec.reward_url:  # good for this rollout's reward only, never the sidecar's control token
+        env.update(HARNESSRL_REWARD_URL=spec.reward_url, HARNESSRL_REWARD_TOKEN=spec.reward_token)
     return {
         "name": HARNESS_CONTAINER,
         "image": cfg.image,

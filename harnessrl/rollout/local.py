@@ -125,6 +125,8 @@ class LocalLauncher:
 
     def _run_env(self, spec: RunSpec, task_file: Path) -> dict[str, str]:
         env = dict(self._base_env)
+        # A harness gets its rollout's own reward credential, never the sidecar's control token.
+        env.pop("HARNESSRL_CONTROL_TOKEN", None)
         env.update(
             OPENAI_BASE_URL=spec.base_url,
             OPENAI_API_KEY=self.config.api_key,
@@ -132,6 +134,10 @@ class LocalLauncher:
             HARNESSRL_TASK_FILE=str(task_file),
             HARNESSRL_TASK_PROMPT=spec.task.prompt,
         )
+        if spec.reward_url:
+            env.update(
+                HARNESSRL_REWARD_URL=spec.reward_url, HARNESSRL_REWARD_TOKEN=spec.reward_token
+            )
         return env
 
     def _wait(

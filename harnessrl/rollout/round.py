@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from harnessrl.rollout.evaluators import Evaluation
@@ -19,6 +19,13 @@ from harnessrl.traces.schema import TERMINAL_STATES, CallRecord, RolloutRecord, 
 
 Evaluate = Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]
 STDERR_TAIL = 2000  # characters of a run's stderr kept in its rollout record
+
+# What a reward the harness posted itself (POST /rollouts/{id}/reward) counts for.
+POSTED_REWARD = {
+    "keep": "a posted reward stands; the evaluator scores only runs that posted none",
+    "ignore": "the evaluator scores every run; a posted reward is kept in info only",
+    "require": "only posted rewards count; a run that posted none is marked failed",
+}
 
 
 @dataclass
@@ -59,15 +66,20 @@ def plan_round(
     base_url: Callable[[str], str],
     timeout_s: float,
     attempt: int = 0,
+    reward: Callable[[str], tuple[str, str]] | None = None,
 ) -> list[RunSpec]:
-    """`runs_per_task` runs of each task; the runs of one task share a group id."""
+    """`runs_per_task` runs of each task; the runs of one task share a group id.
+
+    `reward`: rollout id → (URL, token) with which that run's harness may post its own reward.
+    """
     specs = []
     for i, task in enumerate(tasks):
         group_id = f"{prefix}-g{i}"
         for j in range(runs_per_task):
-            rollout_id = f"{group_id}-r{j}"
+            rid = f"{group_id}-r{j}"
+            url, token = reward(rid) if reward is not None else ("", "")
             specs.append(
-                RunSpec(rollout_id, task, group_id, attempt, base_url(rollout_id), timeout_s)
+                RunSpec(rid, task, group_id, attempt, base_url(rid), timeout_s, url, token)
             )
     return specs
 
@@ -82,9 +94,21 @@ def sample_tasks(tasks: Sequence[Task], k: int, seed: int, step: int) -> list[Ta
 
 
 def run_round(
-    specs: list[RunSpec], launcher: Launcher, store: Any, evaluate: Evaluate
+    specs: list[RunSpec],
+    launcher: Launcher,
+    store: Any,
+    evaluate: Evaluate,
+    posted_reward: str = "keep",
 ) -> RoundResult:
-    """Create the rollout records, run every spec, then finish each record with its outcome."""
+    """Create the rollout records, run every spec, then finish each record with its outcome.
+
+    `posted_reward` (keep | ignore | require) says what a reward the harness posted itself
+    counts for; see `POSTED_REWARD`.
+    """
+    if posted_reward not in POSTED_REWARD:
+        raise ValueError(
+            f"posted_reward must be one of {tuple(POSTED_REWARD)}, got {posted_reward!r}"
+        )
     start = time.monotonic()
     now = time.time()
     for spec in specs:
@@ -101,42 +125,64 @@ def run_round(
     results = launcher.run(specs)
     out = RoundResult(
         group_ids=list(dict.fromkeys(s.group_id for s in specs)),
-        results=results,
+        results=[],
         rewards={},
         tasks={s.rollout_id: s.task for s in specs},
     )
     for spec, result in zip(specs, results, strict=True):
         calls = store.calls(spec.rollout_id)
         out.calls += len(calls)
-        reward = _finish(store, spec, result, calls, evaluate)
-        if reward is not None:
-            out.rewards[spec.rollout_id] = reward
+        record = _finish(store, spec, result, calls, evaluate, posted_reward)
+        # The record's final word: a harness that reported itself, or posted no reward when
+        # one was required, is counted as the store has it.
+        out.results.append(replace(result, state=record.state))
+        if record.state == RolloutState.SUCCEEDED and record.reward is not None:
+            out.rewards[spec.rollout_id] = record.reward
     out.duration_s = time.monotonic() - start
     return out
 
 
 def _finish(
-    store: Any, spec: RunSpec, result: RunResult, calls: Sequence[CallRecord], evaluate: Evaluate
-) -> float | None:
+    store: Any,
+    spec: RunSpec,
+    result: RunResult,
+    calls: Sequence[CallRecord],
+    evaluate: Evaluate,
+    posted_reward: str,
+) -> RolloutRecord:
     info: dict[str, Any] = {"duration_s": round(result.duration_s, 3), "calls": len(calls)}
     if result.stderr:
         info["stderr_tail"] = result.stderr[-STDERR_TAIL:]
     record = store.rollout(spec.rollout_id)
     if record.state in TERMINAL_STATES:
         # The harness reported back itself (sidecar /finish); its word on the state stands.
-        return record.reward if record.state == RolloutState.SUCCEEDED else None
+        return record
     if record.state == RolloutState.QUEUED:
         store.transition(spec.rollout_id, RolloutState.RUNNING)
+    posted = record.reward  # what the harness posted while it ran (POST /rollouts/{id}/reward)
+    if posted is not None:
+        info["posted_reward"] = posted
     if result.state != RolloutState.SUCCEEDED:
-        store.transition(spec.rollout_id, result.state, exit_code=result.exit_code, info=info)
-        return None
-    evaluation = evaluate(spec.task, result, calls)
-    info.update(evaluation.info, output=result.output[-500:])
-    store.transition(
+        # A failed run is never scored, not even by itself: a posted reward stays in info only.
+        return store.transition(
+            spec.rollout_id, result.state, reward=None, exit_code=result.exit_code, info=info
+        )
+    info["output"] = result.output[-500:]
+    if posted is not None and posted_reward != "ignore":
+        reward, info["reward_source"] = posted, "posted"
+    elif posted_reward == "require":
+        info["error"] = "the harness posted no reward (rollout.posted_reward=require)"
+        return store.transition(
+            spec.rollout_id, RolloutState.FAILED, exit_code=result.exit_code, info=info
+        )
+    else:
+        evaluation = evaluate(spec.task, result, calls)
+        info.update(evaluation.info, reward_source="evaluator")
+        reward = float(evaluation.reward)
+    return store.transition(
         spec.rollout_id,
         RolloutState.SUCCEEDED,
-        reward=float(evaluation.reward),
+        reward=reward,
         exit_code=result.exit_code,
         info=info,
     )
-    return float(evaluation.reward)

@@ -75,6 +75,10 @@ class RunSpec:
     attempt: int
     base_url: str  # the harness's OPENAI_BASE_URL (the sidecar's per-rollout path)
     timeout_s: float
+    # Where and with what the harness may post its own reward (HARNESSRL_REWARD_URL/_TOKEN);
+    # empty: not offered. The token is good for this rollout's reward only.
+    reward_url: str = ""
+    reward_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.rollout_id or "/" in self.rollout_id:

@@ -108,3 +108,50 @@ def test_remote_serving_exports_each_version_and_keeps_the_last_two(tmp_path: An
         serving.push(learner, version)
     assert pushed == [("v000001", 1), ("v000002", 2), ("v000003", 3)]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000003"]
+
+
+def test_a_pods_reward_credential_is_what_its_sidecar_accepts_for_that_rollout_only() -> None:
+    from proxy_sidecar.control import authorize
+    from proxy_sidecar.errors import Unauthorized
+
+    url, token = PodCapture(Pods([]), "secret").reward_credential("s1-g0-r1")
+    assert url == "http://127.0.0.1:8080/rollouts/s1-g0-r1/reward"  # the pod's own sidecar
+    scope = {"headers": [(b"authorization", f"Bearer {token}".encode())]}
+    assert authorize(scope, "secret", "s1-g0-r1") == "rollout"  # the pod sidecar's check
+    for rollout_id, control_token in (("s1-g0-r0", "secret"), ("s1-g0-r1", "other")):
+        with pytest.raises(Unauthorized):
+            authorize(scope, control_token, rollout_id)
+    with pytest.raises(Unauthorized):
+        authorize(scope, "secret")  # not a control token
+
+
+def test_the_reward_credential_reaches_the_harness_container_of_a_job() -> None:
+    from harnessrl.rollout.k8s import HARNESS_CONTAINER, KubernetesLauncherConfig, job_manifest
+    from harnessrl.rollout.round import plan_round
+    from harnessrl.rollout.tasks import Task
+    from proxy_sidecar.webhook import SidecarSpec
+
+    cfg = KubernetesLauncherConfig(
+        image="registry.example.com/harness:1.0",
+        command=("python", "-m", "harness"),
+        sidecar=SidecarSpec(upstream="http://vllm:8000"),
+    )
+    pods = Pods([])
+    pods.config = SimpleNamespace(sidecar=SimpleNamespace(port=cfg.sidecar.port))
+    pod_capture = PodCapture(pods, "secret")
+    [spec] = plan_round(
+        [Task("t", "p")],
+        prefix="s0",
+        runs_per_task=1,
+        base_url=pod_capture.base_url,
+        timeout_s=10.0,
+        reward=pod_capture.reward_credential,
+    )
+    pod = job_manifest(spec, cfg)["spec"]["template"]["spec"]
+    [harness] = [c for c in pod["containers"] if c["name"] == HARNESS_CONTAINER]
+    env = {e["name"]: e["value"] for e in harness["env"]}
+    assert (env["HARNESSRL_REWARD_URL"], env["HARNESSRL_REWARD_TOKEN"]) == (
+        pod_capture.reward_credential("s0-g0-r0")
+    )
+    assert env["HARNESSRL_REWARD_URL"].startswith(f"http://127.0.0.1:{cfg.sidecar.port}/")
+    assert "secret" not in env.values() and "HARNESSRL_CONTROL_TOKEN" not in env

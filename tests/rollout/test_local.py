@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -68,6 +69,26 @@ def test_harness_gets_env_file_and_stdin_and_output_is_kept() -> None:
     }
     assert res.stderr.strip() == "to stderr"
     assert res.output == res.stdout.strip()
+
+
+def test_harness_gets_its_reward_credential_and_never_the_control_token() -> None:
+    code = (
+        "import json, os\n"
+        "print(json.dumps({k: os.environ.get(k) for k in ('HARNESSRL_REWARD_URL',"
+        " 'HARNESSRL_REWARD_TOKEN', 'HARNESSRL_CONTROL_TOKEN')}))\n"
+    )
+    env = {**os.environ, "HARNESSRL_CONTROL_TOKEN": "the-sidecars-own"}
+    launcher = LocalLauncher(LocalLauncherConfig(command=(sys.executable, "-c", code)), env=env)
+    offered = dataclasses.replace(
+        _spec(1), reward_url="http://s/rollouts/r1/reward", reward_token="t1"
+    )
+    with_reward, without = launcher.run([offered, _spec(2)])
+    assert json.loads(with_reward.stdout) == {
+        "HARNESSRL_REWARD_URL": "http://s/rollouts/r1/reward",
+        "HARNESSRL_REWARD_TOKEN": "t1",
+        "HARNESSRL_CONTROL_TOKEN": None,
+    }
+    assert set(json.loads(without.stdout).values()) == {None}  # nothing offered, nothing set
 
 
 def test_placeholders_in_the_command_expand() -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.rollout.evaluators import get_evaluator
-from harnessrl.rollout.round import plan_round, run_round, sample_tasks
+from harnessrl.rollout.evaluators import Evaluation, get_evaluator
+from harnessrl.rollout.round import RoundResult, plan_round, run_round, sample_tasks
 from harnessrl.rollout.tasks import RunResult, RunSpec, Task
-from harnessrl.traces.schema import RolloutState
+from harnessrl.traces.schema import RolloutRecord, RolloutState
 from harnessrl.traces.sqlite import SQLiteTraceStore
 
 TASKS = [Task(f"t{i}", f"What is {i}+1?", str(i + 1)) for i in range(4)]
@@ -105,3 +105,108 @@ def test_sample_tasks_is_deterministic_per_step() -> None:
     assert len(picks) > 1
     with pytest.raises(ValueError, match="tasks_per_step=5 exceeds the 4 train tasks"):
         sample_tasks(TASKS, 5, seed=0, step=0)
+
+
+class PostingLauncher(ScriptedLauncher):
+    """Each run in `posts` posts that reward while it runs (what the sidecar's /reward does)."""
+
+    def __init__(
+        self,
+        store: SQLiteTraceStore,
+        posts: dict[str, float],
+        outcomes: dict[str, tuple[RolloutState, str]],
+    ) -> None:
+        super().__init__(outcomes)
+        self.store = store
+        self.posts = posts
+
+    def run(self, specs: list[RunSpec]) -> list[RunResult]:
+        for s in specs:
+            if s.rollout_id in self.posts:
+                self.store.set_reward(s.rollout_id, self.posts[s.rollout_id])
+        return super().run(specs)
+
+
+class CountingEvaluator:
+    def __init__(self) -> None:
+        self.scored: list[str] = []
+
+    def __call__(self, task: Task, result: RunResult, calls: object) -> Evaluation:
+        self.scored.append(result.rollout_id)
+        return Evaluation(0.125, {"by": "evaluator"})
+
+
+def _posting_round(
+    tmp_path: Path, policy: str
+) -> tuple[dict[str, RolloutRecord], CountingEvaluator, RoundResult]:
+    store = SQLiteTraceStore(str(tmp_path / f"{policy}.db"))
+    posts = {"s0-g0-r0": 0.9, "s0-g0-r2": 0.7}  # r2 then fails: its post must not count
+    launcher = PostingLauncher(store, posts, outcomes={"s0-g0-r2": (RolloutState.FAILED, "")})
+    evaluator = CountingEvaluator()
+    result = run_round(_specs()[:3], launcher, store, evaluator, posted_reward=policy)
+    records = {r.rollout_id: r for r in store.rollouts("s0-g0")}
+    store.close()
+    return records, evaluator, result
+
+
+def test_a_posted_reward_stands_and_the_evaluator_scores_the_others(tmp_path: Path) -> None:
+    records, evaluator, result = _posting_round(tmp_path, "keep")
+    assert evaluator.scored == ["s0-g0-r1"]  # r0 posted, r2 failed
+    assert records["s0-g0-r0"].reward == 0.9
+    assert records["s0-g0-r0"].info["reward_source"] == "posted"
+    assert records["s0-g0-r0"].info["posted_reward"] == 0.9
+    assert records["s0-g0-r1"].reward == 0.125
+    assert records["s0-g0-r1"].info["reward_source"] == "evaluator"
+    assert result.rewards == {"s0-g0-r0": 0.9, "s0-g0-r1": 0.125}
+
+
+def test_a_failed_run_is_never_scored_even_by_its_own_post(tmp_path: Path) -> None:
+    for policy in ("keep", "ignore", "require"):
+        records, _, result = _posting_round(tmp_path, policy)
+        failed = records["s0-g0-r2"]
+        assert failed.state == RolloutState.FAILED and failed.reward is None
+        assert failed.info["posted_reward"] == 0.7 and "reward_source" not in failed.info
+        assert "s0-g0-r2" not in result.rewards
+
+
+def test_ignore_lets_the_evaluator_score_every_run(tmp_path: Path) -> None:
+    records, evaluator, _ = _posting_round(tmp_path, "ignore")
+    assert evaluator.scored == ["s0-g0-r0", "s0-g0-r1"]
+    assert records["s0-g0-r0"].reward == 0.125
+    assert records["s0-g0-r0"].info["reward_source"] == "evaluator"
+    assert records["s0-g0-r0"].info["posted_reward"] == 0.9  # kept for inspection only
+
+
+def test_require_fails_a_run_that_posted_no_reward(tmp_path: Path) -> None:
+    records, evaluator, result = _posting_round(tmp_path, "require")
+    assert evaluator.scored == []
+    assert records["s0-g0-r0"].reward == 0.9 and records["s0-g0-r0"].state == "succeeded"
+    silent = records["s0-g0-r1"]
+    assert silent.state == RolloutState.FAILED and silent.reward is None
+    assert "posted no reward" in silent.info["error"] and silent.exit_code == 0
+    assert result.failed == 2 and result.rewards == {"s0-g0-r0": 0.9}
+
+
+def test_unknown_posted_reward_policy_is_named(tmp_path: Path) -> None:
+    store = SQLiteTraceStore(str(tmp_path / "t.db"))
+    with pytest.raises(ValueError, match=r"posted_reward must be one of .* got 'sometimes'"):
+        run_round(_specs(), ScriptedLauncher({}), store, CountingEvaluator(), "sometimes")
+    assert store.rollouts() == []  # refused before any record was created
+    store.close()
+
+
+def test_plan_round_hands_each_run_its_own_reward_credential() -> None:
+    specs = plan_round(
+        TASKS[:1],
+        prefix="s3",
+        runs_per_task=2,
+        base_url=lambda rid: f"http://sidecar/rollouts/{rid}/v1",
+        timeout_s=5.0,
+        reward=lambda rid: (f"http://sidecar/rollouts/{rid}/reward", f"token-{rid}"),
+    )
+    assert [(s.reward_url, s.reward_token) for s in specs] == [
+        ("http://sidecar/rollouts/s3-g0-r0/reward", "token-s3-g0-r0"),
+        ("http://sidecar/rollouts/s3-g0-r1/reward", "token-s3-g0-r1"),
+    ]
+    assert "token-" not in repr(specs[0])  # a credential stays out of logs and tracebacks
+    assert _specs()[0].reward_url == "" and _specs()[0].reward_token == ""
