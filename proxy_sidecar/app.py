@@ -24,7 +24,7 @@ from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
 from proxy_sidecar.errors import SidecarError, error_body, send_error, send_json
 from proxy_sidecar.metrics import Metrics
-from proxy_sidecar.proxy import response_headers, rollout_of, upstream_headers
+from proxy_sidecar.proxy import read_failure, response_headers, rollout_of, upstream_headers
 from proxy_sidecar.recorder import Recorder
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamPool
 
@@ -47,8 +47,7 @@ class Passthrough:
             try:
                 body = await resp.read()
             except UpstreamFailure as err:
-                await send_json(send, 502, error_body(502, str(err), "upstream_error"))
-                return
+                raise read_failure(err) from err
         except SidecarError as err:
             await send_error(send, err)
             return
@@ -125,11 +124,13 @@ def build_app(config: SidecarConfig, store: Any = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         own_store = state.store is None
         if own_store:
-            options = (
-                {"synchronous": "FULL"}
-                if config.fsync and config.store.startswith("sqlite")
-                else {}
-            )
+            options: dict[str, Any] = {}
+            if config.store.startswith("sqlite"):
+                # Checkpoints (the step that writes the database file) on a helper thread, so a
+                # commit on the event loop only appends to the WAL.
+                options["background_checkpoint"] = True
+                if config.fsync:
+                    options["synchronous"] = "FULL"
             state.store = open_store(config.store, **options)
         state.pool = UpstreamPool(
             config.upstreams,

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from harnessrl.traces.schema import MAX_POLICY_VERSION
+
 MODES = ("train", "eval")
 CLIENTS = ("aiohttp", "httpx")
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -66,6 +68,8 @@ class SidecarConfig:
         for name in ("pause_timeout_s", "connect_timeout_s", "read_timeout_s", "eject_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.policy_version is not None and policy_version_error(self.policy_version):
+            raise ValueError(f"policy_version {policy_version_error(self.policy_version)}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries!r}")
         if self.host not in LOOPBACK_HOSTS and not self.control_token:
@@ -88,6 +92,30 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def policy_version_error(value: object) -> str | None:
+    """Why `value` cannot be a policy version, or None if it can.
+
+    The trace stores keep versions as 64-bit integers: a larger one could not be recorded, and
+    every call stamped with it would fail to store.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an integer, got {value!r}"
+    if not 0 <= value <= MAX_POLICY_VERSION:
+        return f"must be in [0, 2**63 - 1], got {value}"
+    return None
+
+
+def _policy_version(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from err
+    error = policy_version_error(value)
+    if error:
+        raise argparse.ArgumentTypeError(error)
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = SidecarConfig()
     p = argparse.ArgumentParser(prog="python -m proxy_sidecar", description=__doc__)
@@ -105,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-overrides", type=_json_object, default={}, help='JSON, e.g. {"temperature": 0}'
     )
-    p.add_argument("--policy-version", type=int, default=None)
+    p.add_argument("--policy-version", type=_policy_version, default=None)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--pause-timeout-s", type=float, default=d.pause_timeout_s)
     p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)

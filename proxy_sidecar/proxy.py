@@ -8,6 +8,7 @@ committed; so any response a client fully received is in the store, even after `
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -15,12 +16,14 @@ import orjson
 
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
+from proxy_sidecar.config import policy_version_error
 from proxy_sidecar.control import Receive, Scope, Send, SidecarState, read_body
 from proxy_sidecar.errors import (
     BadRequest,
     NoUpstream,
     SidecarError,
     Unavailable,
+    UpstreamTimeout,
     send_error,
 )
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
@@ -33,6 +36,8 @@ _HOP_REQUEST = frozenset(
 )
 _HOP_RESPONSE = frozenset(b"content-length connection keep-alive transfer-encoding".split())
 _POLICY_HEADER = b"x-harnessrl-policy-version"
+
+log = logging.getLogger("proxy_sidecar.proxy")
 
 
 def rollout_of(scope: Scope, default: str) -> str:
@@ -67,17 +72,32 @@ def upstream_headers(scope: Scope) -> list[tuple[str, str]]:
     return out
 
 
-def response_headers(resp: UpstreamResponse) -> tuple[list[tuple[bytes, bytes]], int | None]:
-    """Headers for the client, and the policy version the upstream reported (if any)."""
+def response_headers(resp: UpstreamResponse) -> tuple[list[tuple[bytes, bytes]], bytes | None]:
+    """Headers for the client, and the raw policy-version header of the upstream (if any)."""
     headers, version = [], None
     for name, value in resp.headers:
         low = name.lower()
         if low in _HOP_RESPONSE:
             continue
-        if low == _POLICY_HEADER and value.strip().isdigit():
-            version = int(value)
+        if low == _POLICY_HEADER:
+            version = value
         headers.append((low, value))
     return headers, version
+
+
+def reported_version(raw: bytes | None) -> int | None:
+    """The upstream's policy version header as a storable version; None if absent or unusable."""
+    if raw is None or not raw.strip().isdigit():
+        return None
+    version = int(raw)
+    return None if policy_version_error(version) else version
+
+
+def read_failure(err: UpstreamFailure) -> SidecarError:
+    """What the client gets when the upstream failed after its headers: 504 if it went silent."""
+    if err.timeout:
+        return UpstreamTimeout(f"upstream timed out while answering: {err}")
+    return NoUpstream(f"upstream failed while answering: {err}")
 
 
 class ProxyEndpoint:
@@ -87,6 +107,7 @@ class ProxyEndpoint:
         self.state = state
         self.endpoint = endpoint
         self.path = path
+        self._warned: set[str] = set()  # upstreams already reported for a bad version header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.time()
@@ -121,7 +142,19 @@ class ProxyEndpoint:
         started: float,
     ) -> None:
         state = self.state
-        body = rewrite(request, self.endpoint, state)
+        try:
+            body = rewrite(request, self.endpoint, state)
+        except TypeError as err:
+            # orjson re-encodes at most 254 levels of nesting (it parses 1024). The trace store
+            # encodes the same way, so such a call could not be recorded: refused, not forwarded.
+            await send_error(
+                send,
+                BadRequest(
+                    f"request body cannot be forwarded and recorded ({err}): JSON nested more "
+                    "than 254 levels deep is not supported"
+                ),
+            )
+            return
         path = self.path + (
             "?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""
         )
@@ -145,8 +178,20 @@ class ProxyEndpoint:
             await self._store(record, stream=False)
             await send_error(send, err)
             return
-        headers, version = response_headers(resp)
+        headers, raw_version = response_headers(resp)
+        version = reported_version(raw_version)
         if version is None:
+            if raw_version is not None and upstream.url not in self._warned:
+                # Not the weights' version as the stores can keep it: the control API's value
+                # stands in (as for a server that sends no header); said once per upstream.
+                self._warned.add(upstream.url)
+                log.warning(
+                    "upstream %s sent %s: %r, not an integer in [0, 2**63 - 1]; recording the "
+                    "control API's policy version instead",
+                    upstream.url,
+                    _POLICY_HEADER.decode(),
+                    raw_version[:40],
+                )
             version = state.policy_version
         common = dict(
             endpoint=self.endpoint,
@@ -183,9 +228,12 @@ class ProxyEndpoint:
             raw = await resp.read()
         except UpstreamFailure as err:
             self.state.metrics.upstream_errors.labels("read").inc()
-            record = build_record(status=502, body=None, error=f"upstream: {err}", **common)
+            failure = read_failure(err)
+            record = build_record(
+                status=failure.status, body=None, error=f"upstream: {err}", **common
+            )
             await self._store(record, stream=False)
-            await send_error(send, NoUpstream(f"upstream failed while answering: {err}"))
+            await send_error(send, failure)
             return
         record = build_record(status=resp.status, body=decode_body(raw), **common)
         if await self._store(record, stream=False) is None:
@@ -214,6 +262,7 @@ class ProxyEndpoint:
         watcher = asyncio.create_task(watch())
         tee = SSETee(self.endpoint)
         error: str | None = None
+        failure: SidecarError | None = None
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         try:
             async for chunk in resp.chunks():
@@ -221,11 +270,13 @@ class ProxyEndpoint:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except Exception as err:
-            if not gone.is_set() and not isinstance(err, UpstreamFailure):
-                raise
-            error = "client disconnected" if gone.is_set() else f"upstream: {err}"
-            if not gone.is_set():
+            if gone.is_set():
+                error = "client disconnected"
+            elif isinstance(err, UpstreamFailure):
+                error, failure = f"upstream: {err}", read_failure(err)
                 self.state.metrics.upstream_errors.labels("stream").inc()
+            else:
+                raise
         finally:
             watcher.cancel()
             await resp.close()
@@ -240,6 +291,6 @@ class ProxyEndpoint:
         tail = tee.finish()
         if stored is None:
             tail = sse_error_event("trace store could not record the call", 503)
-        elif error is not None and error.startswith("upstream:"):
-            tail += sse_error_event(f"upstream failed mid-stream: {error}")
+        elif failure is not None:
+            tail += sse_error_event(f"mid-stream: {failure.message}", failure.status)
         await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -1,10 +1,16 @@
-"""Group commit of call records, on the event loop (SQLite) or on one writer thread (network DBs).
+"""Group commit of call records: inline on the event loop while that never waits, else on a thread.
 
 In: `CallRecord`s from request handlers. Out: each handler's `await record(call)` returns the seq
 only after the store committed it, so the handler can release the response's final bytes knowing
 the call is durable. Records produced in one loop iteration (or while a commit runs) share a commit.
-A local SQLite commit takes tens of microseconds, so it runs inline: a writer thread would wait up
-to the interpreter's 5 ms GIL switch interval for every hand-off under load.
+
+A local SQLite commit takes tens of microseconds, so it is tried inline: a writer thread would wait
+up to the interpreter's 5 ms GIL switch interval for every hand-off under load. The inline try
+never waits for a lock (`try_add_calls`): when another process or thread holds the database's
+write lock, the batch goes to the writer thread, which waits for it (up to the store's busy
+timeout) while the loop keeps serving `/health`, streams and other calls. Later batches follow it
+there until the thread has caught up, so commits keep the order in which calls completed.
+Network stores (PostgreSQL) always commit on the writer thread.
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ import threading
 from typing import Any
 
 from harnessrl.traces.schema import CallRecord
+from harnessrl.traces.sqlite import is_busy
 
 log = logging.getLogger("proxy_sidecar.recorder")
 
 _STOP = object()
+
+Pending = tuple[CallRecord, "asyncio.Future[int]"]
 
 
 class Recorder:
@@ -30,14 +39,15 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.inline = bool(getattr(store, "inline_writes", False))
-        self._pending: list[tuple[CallRecord, asyncio.Future[int]]] = []
+        self._pending: list[Pending] = []
+        self._on_thread = 0  # records handed to the writer thread and not yet resolved
         self.commits = 0
+        self.handoffs = 0  # records whose inline commit would have waited: went to the thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if not self.inline:
-            self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
+        self._thread.start()
 
     async def record(self, call: CallRecord) -> int:
         """Durably store `call`; returns its seq. Raises what the store raised."""
@@ -48,14 +58,32 @@ class Recorder:
                 self._loop.call_soon(self._flush)
             self._pending.append((call, fut))
         else:
-            self._queue.put((call, fut))
+            self._hand_off([(call, fut)])
         return int(await fut)
 
     def _flush(self) -> None:
         while self._pending:
             batch = self._pending[: self.batch_max]
             del self._pending[: self.batch_max]
-            _resolve([fut for _, fut in batch], self._write(batch))
+            results = None if self._on_thread else self._try_inline(batch)
+            if results is None:
+                self.handoffs += len(batch)
+                self._hand_off(batch)
+            else:
+                self.commits += 1
+                _resolve([fut for _, fut in batch], results)
+
+    def _try_inline(self, batch: list[Pending]) -> list[Any] | None:
+        try:
+            seqs: list[int] | None = self.store.try_add_calls([call for call, _ in batch])
+        except Exception:
+            return None  # nothing was written; the writer thread retries, one by one if need be
+        return None if seqs is None else list(seqs)
+
+    def _hand_off(self, batch: list[Pending]) -> None:
+        self._on_thread += len(batch)
+        for item in batch:
+            self._queue.put(item)
 
     async def stop(self) -> None:
         if self._thread is not None:
@@ -79,29 +107,33 @@ class Recorder:
                     stop = True
                     break
                 batch.append(nxt)
-            self._commit(batch)
+            results = self._write(batch)
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._thread_done, batch, results)
             if stop:
                 return
 
-    def _commit(self, batch: list[tuple[CallRecord, asyncio.Future[int]]]) -> None:
-        results = self._write(batch)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(_resolve, [fut for _, fut in batch], results)
+    def _thread_done(self, batch: list[Pending], results: list[Any]) -> None:
+        self._on_thread -= len(batch)
+        _resolve([fut for _, fut in batch], results)
 
-    def _write(self, batch: list[tuple[CallRecord, asyncio.Future[int]]]) -> list[Any]:
+    def _write(self, batch: list[Pending]) -> list[Any]:
         results: list[Any]
         try:
             results = list(self.store.add_calls([call for call, _ in batch]))
             self.commits += 1
-        except Exception:
+        except Exception as err:
+            if is_busy(err):  # waited the store's whole busy timeout: a retry would wait again
+                log.error("trace store stayed locked; %d call(s) not recorded: %s", len(batch), err)
+                return [err] * len(batch)
             # One bad record must not fail its neighbours: retry them one by one.
             results = []
             for call, _ in batch:
                 try:
                     results.append(self.store.add_call(call))
-                except Exception as err:
-                    log.error("trace store write failed for rollout %r: %s", call.rollout_id, err)
-                    results.append(err)
+                except Exception as one:
+                    log.error("trace store write failed for rollout %r: %s", call.rollout_id, one)
+                    results.append(one)
         return results
 
 

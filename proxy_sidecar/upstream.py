@@ -47,6 +47,11 @@ def _is_stale(err: BaseException) -> bool:
     )
 
 
+def _is_timeout(err: BaseException) -> bool:
+    """The upstream went silent for longer than the read (or connect) timeout."""
+    return isinstance(err, TimeoutError | httpx.TimeoutException)
+
+
 @dataclass
 class Upstream:
     url: str
@@ -71,7 +76,9 @@ class UpstreamResponse:
                 return await self._raw.read()
             return bytes(await self._raw.aread())
         except (TimeoutError, aiohttp.ClientError, httpx.TransportError) as err:
-            raise UpstreamFailure(f"reading body: {type(err).__name__}: {err}") from err
+            raise UpstreamFailure(
+                f"reading body: {type(err).__name__}: {err}", timeout=_is_timeout(err)
+            ) from err
         finally:
             await self.close()
 
@@ -84,7 +91,9 @@ class UpstreamResponse:
                 async for chunk in self._raw.aiter_raw():
                     yield chunk
         except (TimeoutError, aiohttp.ClientError, httpx.TransportError) as err:
-            raise UpstreamFailure(f"mid-stream: {type(err).__name__}: {err}") from err
+            raise UpstreamFailure(
+                f"mid-stream: {type(err).__name__}: {err}", timeout=_is_timeout(err)
+            ) from err
 
     def abort(self) -> None:
         """Drop the upstream connection now (the client went away)."""
@@ -237,7 +246,6 @@ class UpstreamPool:
             # The client libraries refuse some header values that HTTP servers accept.
             raise BadRequest(f"request cannot be forwarded: {err}") from err
         except (TimeoutError, aiohttp.ClientError, httpx.TransportError, OSError) as err:
-            timeout = isinstance(err, asyncio.TimeoutError | httpx.TimeoutException)
             raise UpstreamFailure(
-                f"{type(err).__name__}: {err}", timeout=timeout, stale=_is_stale(err)
+                f"{type(err).__name__}: {err}", timeout=_is_timeout(err), stale=_is_stale(err)
             ) from err

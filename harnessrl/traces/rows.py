@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from harnessrl.traces.schema import (
+    MAX_POLICY_VERSION,
     CallRecord,
     Choice,
     EndpointKind,
@@ -55,7 +56,13 @@ MUTABLE_ROLLOUT_FIELDS = frozenset({"reward", "exit_code", "info"})
 
 
 def dumps(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError as err:  # orjson's own message ("Recursion limit reached") names no limit
+        raise TypeError(
+            f"value cannot be stored as JSON ({err}): it must hold only JSON types, integers "
+            "within 64 bits, and nest at most 254 levels deep"
+        ) from err
 
 
 def loads(value: Any) -> Any:
@@ -71,6 +78,15 @@ def check_call(call: CallRecord) -> None:
         raise TypeError(f"call must be a CallRecord, got {type(call).__name__}")
     if not isinstance(call.rollout_id, str) or not call.rollout_id:
         raise ValueError(f"call.rollout_id must be a non-empty string, got {call.rollout_id!r}")
+    version = call.policy_version
+    if version is not None and (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or not 0 <= version <= MAX_POLICY_VERSION
+    ):
+        raise ValueError(
+            f"call.policy_version must be None or an integer in [0, 2**63 - 1], got {version!r}"
+        )
     for choice in call.choices:
         if len(choice.token_ids) != len(choice.logprobs):
             raise ValueError(

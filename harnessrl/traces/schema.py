@@ -10,6 +10,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# Policy versions are stored as 64-bit integers (SQLite INTEGER, PostgreSQL BIGINT).
+MAX_POLICY_VERSION = 2**63 - 1
+
 
 class RolloutState(enum.StrEnum):
     QUEUED = "queued"

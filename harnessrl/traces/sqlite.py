@@ -8,13 +8,17 @@ was committed survives `kill -9` of any process; `synchronous="FULL"` also survi
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from harnessrl.traces.schema import CallRecord
 from harnessrl.traces.sql import SQLStoreBase
+
+log = logging.getLogger("harnessrl.traces.sqlite")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -53,14 +57,26 @@ CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id);
 SYNCHRONOUS_MODES = ("NORMAL", "FULL")
 
 
+def is_busy(err: BaseException) -> bool:
+    """`err` is SQLite saying another connection holds the lock it needed."""
+    code = getattr(err, "sqlite_errorcode", None)
+    return (
+        isinstance(err, sqlite3.OperationalError)
+        and code is not None
+        and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    )
+
+
 class SQLiteTraceStore(SQLStoreBase):
     """`SQLiteTraceStore(path)`; `synchronous="FULL"` fsyncs every commit (power-loss safe).
 
     `background_checkpoint=True` moves WAL checkpoints (the only step that fsyncs the database
     file in NORMAL mode) off the writing thread onto a helper thread, so commits stay short.
+    A write waits up to `busy_timeout_s` for another connection's write lock, then fails.
     """
 
-    # A local commit takes tens of microseconds: an event loop may write inline (see Recorder).
+    # A local commit takes tens of microseconds: an event loop may write inline with
+    # `try_add_calls`, which never waits (see proxy_sidecar.recorder).
     inline_writes = True
 
     def __init__(
@@ -70,12 +86,17 @@ class SQLiteTraceStore(SQLStoreBase):
         synchronous: str = "NORMAL",
         background_checkpoint: bool = False,
         checkpoint_interval_s: float = 0.5,
+        busy_timeout_s: float = 30.0,
     ) -> None:
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise ValueError(f"path must be a file path or ':memory:', got {path!r}")
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, got {synchronous!r}")
+        if not 0 < busy_timeout_s <= 3600:
+            raise ValueError(f"busy_timeout_s must be in (0, 3600], got {busy_timeout_s!r}")
         super().__init__()
+        # How long a write waits for another connection's write lock before it fails.
+        self._busy_ms = int(busy_timeout_s * 1000)
         self.path = str(path)
         parent = os.path.dirname(os.path.abspath(self.path))
         if self.path != ":memory:" and not os.path.isdir(parent):
@@ -83,11 +104,13 @@ class SQLiteTraceStore(SQLStoreBase):
         # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE takes the write lock up
         # front, so reserving sequence numbers never races another writer process).
         self._conn = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+            self.path,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=busy_timeout_s,
         )
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
-        self._conn.execute("PRAGMA busy_timeout=30000")
         self._conn.execute("PRAGMA journal_size_limit=67108864")  # WAL shrinks back to 64 MiB
         with self._transaction() as cur:
             for statement in filter(str.strip, _SCHEMA.split(";")):
@@ -105,9 +128,34 @@ class SQLiteTraceStore(SQLStoreBase):
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
         try:
             while not self._stop.wait(interval_s):
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error as err:
+                    # Keep going: with autocheckpoint off, a dead helper would let the WAL grow
+                    # without bound.
+                    log.warning("WAL checkpoint of %s failed: %s", self.path, err)
         finally:
             conn.close()
+
+    def try_add_calls(self, calls: list[CallRecord]) -> list[int] | None:
+        """`add_calls` if it commits without waiting; None, with nothing written, if another
+        thread or process holds the write lock. An event loop can write inline and never block."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._closed:
+                raise ValueError(f"{type(self).__name__} is closed; open a new store")
+            self._conn.execute("PRAGMA busy_timeout=0")
+            try:
+                return self.add_calls(calls)
+            except sqlite3.OperationalError as err:
+                if is_busy(err):  # the transaction was rolled back: nothing written
+                    return None
+                raise
+            finally:
+                self._conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+        finally:
+            self._lock.release()
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Cursor]:

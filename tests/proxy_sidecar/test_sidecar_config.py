@@ -66,11 +66,25 @@ def test_override_flags_must_be_json_objects(bad: str) -> None:
         ({"pause_timeout_s": 0}, "pause_timeout_s"),
         ({"retries": -1}, "retries"),
         ({"host": "0.0.0.0"}, "control-token"),
+        ({"policy_version": 2**63}, "policy_version"),
+        ({"policy_version": -1}, "policy_version"),
+        ({"policy_version": True}, "policy_version"),
     ],
 )
 def test_config_rejects_bad_values(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SidecarConfig(**kw)
+
+
+@pytest.mark.parametrize("bad", ["9223372036854775808", "-1", "seven"])
+def test_policy_version_flag_is_a_64_bit_non_negative_integer(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--upstream", "http://a:1", "--policy-version", bad], env={})
+    assert "--policy-version" in capsys.readouterr().err
+    top = parse_args(["--upstream", "http://a:1", "--policy-version", str(2**63 - 1)], env={})
+    assert top.policy_version == 2**63 - 1
 
 
 def test_non_loopback_bind_is_fine_with_a_token() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -119,6 +120,31 @@ def test_policy_version_from_control_and_from_upstream_header(fake: Any, guarded
         assert bad.status_code == 400 and "version" in bad.json()["error"]["message"]
     metrics = httpx.get(guarded.url + "/metrics").text
     assert "sidecar_policy_version 4.0" in metrics
+
+
+def test_policy_versions_stay_within_what_the_store_keeps(
+    fake: Any, guarded: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stores keep 64-bit versions. 2**63 from the control API is a 400 (accepted, it would
+    make every later call unstorable); from the upstream's header it is ignored with a warning,
+    like any unreadable header, and the control API's version is recorded instead."""
+    url = guarded.url + "/control/policy_version"
+    too_big = httpx.post(url, json={"version": 2**63}, headers=auth())
+    assert too_big.status_code == 400 and "2**63 - 1" in too_big.json()["error"]["message"]
+    assert too_big.json()["error"]["param"] == "version"
+    assert httpx.post(url, json={"version": 2**63 - 1}, headers=auth()).status_code == 200
+    assert httpx.post(guarded.base("big") + "/chat/completions", json=CHAT).status_code == 200
+    fake[0].policy_version = 2**63
+    with caplog.at_level(logging.WARNING, logger="proxy_sidecar.proxy"):
+        for stream in (False, True, False):
+            body = {**CHAT, "stream": stream}
+            r = httpx.post(guarded.base("big") + "/chat/completions", json=body)
+            assert r.status_code == 200
+    fake[0].policy_version = None
+    assert [c.policy_version for c in guarded.store.calls("big")] == [2**63 - 1] * 4
+    assert all(c.ok for c in guarded.store.calls("big"))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "proxy_sidecar.proxy"]
+    assert len(warnings) == 1 and "9223372036854775808" in warnings[0]  # once per upstream
 
 
 def test_mode_switch_applies_that_modes_overrides(fake: Any, make_sidecar: Any) -> None:

@@ -8,6 +8,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
 
@@ -101,3 +103,61 @@ def test_background_checkpoint_keeps_the_wal_small(tmp_path: pathlib.Path) -> No
     s.close()
     with SQLiteTraceStore(db) as again:
         assert again.count_calls("c") == 21
+
+
+def _call(i: int) -> Any:
+    from harnessrl.traces.schema import CallRecord, EndpointKind
+
+    return CallRecord(
+        "t", -1, 0.0, 0.0, EndpointKind.CHAT, {"i": i}, None, (), (), None, "u", 0.0, 200
+    )
+
+
+def test_try_add_calls_never_waits_for_a_lock(tmp_path: pathlib.Path) -> None:
+    import threading
+
+    from harnessrl.traces.sqlite import is_busy
+
+    store = SQLiteTraceStore(tmp_path / "t.db")
+    assert store.try_add_calls([_call(0)]) == [0]
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another connection (any process) holds the write lock
+    t0 = time.monotonic()
+    assert store.try_add_calls([_call(1), _call(2)]) is None
+    assert time.monotonic() - t0 < 5  # did not sit out the 30 s busy timeout
+    # A writer thread of this process waits for the lock (holding the store's own lock; it
+    # waits rather than fails because the try put the busy timeout back) ...
+    waiting = threading.Thread(target=store.add_call, args=(_call(1),))
+    waiting.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert store.try_add_calls([_call(9)]) is None  # ... and the try does not queue behind it
+    assert time.monotonic() - t0 < 5
+    other.execute("COMMIT")
+    other.close()
+    waiting.join(30)
+    assert store.try_add_calls([_call(2)]) == [2]
+    assert [c.request["i"] for c in store.calls("t")] == [0, 1, 2]
+    store.close()
+    with pytest.raises(ValueError, match="closed"):
+        store.try_add_calls([_call(3)])
+    assert not is_busy(ValueError("database is locked"))
+
+
+def test_busy_timeout_bounds_a_waiting_write(tmp_path: pathlib.Path) -> None:
+    from harnessrl.traces.sqlite import is_busy
+
+    with pytest.raises(ValueError, match="busy_timeout_s"):
+        SQLiteTraceStore(tmp_path / "b.db", busy_timeout_s=0)
+    store = SQLiteTraceStore(tmp_path / "b.db", busy_timeout_s=0.2)
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    t0 = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError) as err:
+        store.add_call(_call(0))
+    waited = time.monotonic() - t0
+    other.execute("ROLLBACK")
+    other.close()
+    assert is_busy(err.value) and 0.15 < waited < 10
+    assert store.add_call(_call(0)) == 0
+    store.close()

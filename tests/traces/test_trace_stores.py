@@ -81,7 +81,17 @@ def test_bad_calls_are_rejected_with_clear_errors(store: Any) -> None:
         store.add_call(make_call(rollout=""))
     with pytest.raises(TypeError, match="CallRecord"):
         store.add_call({"rollout_id": "x"})
+    for version in (2**63, -1, 1.0):  # stored as a 64-bit integer column
+        with pytest.raises(ValueError, match="policy_version"):
+            store.add_call(make_call(policy_version=version))
+    deep: Any = []
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(TypeError, match="nest at most 254 levels"):
+        store.add_call(make_call(request={"tools": deep}))
     assert store.count_calls() == 0  # nothing half-written
+    assert store.add_call(make_call(policy_version=2**63 - 1)) == 0
+    assert store.calls("r1")[0].policy_version == 2**63 - 1
 
 
 def test_concurrent_writers_get_unique_contiguous_seqs(store_url: str) -> None:
