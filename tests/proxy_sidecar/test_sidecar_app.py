@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harnessrl.traces.schema import RolloutRecord
+
 CHAT = {
     "model": "smol",
     "messages": [{"role": "user", "content": "a secret prompt"}],
@@ -54,6 +56,38 @@ def test_bad_requests_get_openai_style_4xx(
     err = r.json()["error"]
     assert err["code"] == status and isinstance(err["message"], str) and err["type"]
     assert sidecar.store.count_calls() == 0
+
+
+def nested(depth: int) -> Any:
+    value: Any = {"type": "object"}
+    for _ in range(depth - 1):
+        value = {"properties": value}
+    return value
+
+
+def test_deeply_nested_json_is_forwarded_or_refused_never_a_5xx(fake: Any, sidecar: Any) -> None:
+    """orjson parses 1024 levels but re-encodes 254; the trace store encodes the same way. So a
+    request the sidecar could not record is refused with a 400 before it reaches the upstream,
+    and anything shallower goes through and is recorded."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": nested(250)}}]
+    ok = httpx.post(sidecar.base("deep") + "/chat/completions", json={**CHAT, "tools": tools})
+    assert ok.status_code == 200
+    (rec,) = sidecar.store.calls("deep")
+    assert rec.ok and rec.request["tools"] == tools  # stored whole
+    forwarded = len(fake[0].requests)
+    for depth, why in ((300, "254 levels"), (1000, "254 levels"), (1100, "not valid JSON")):
+        # Written out by hand: JSON encoders have nesting limits of their own.
+        schema = '{"properties": ' * (depth - 1) + '{"type": "object"}' + "}" * (depth - 1)
+        tool = '{"type": "function", "function": {"name": "f", "parameters": ' + schema + "}}"
+        raw = json.dumps(CHAT)[:-1] + ', "tools": [' + tool + "]}"
+        r = httpx.post(sidecar.base("deep") + "/chat/completions", content=raw)
+        assert r.status_code == 400, (depth, r.text[:200])
+        assert why in r.json()["error"]["message"] and r.json()["error"]["code"] == 400
+    assert len(fake[0].requests) == forwarded and sidecar.store.count_calls("deep") == 1
+    sidecar.store.create_rollout(RolloutRecord("deep", task_id="t", group_id="g"))
+    finish = '{"state": "succeeded", "info": ' + '{"a": ' * 300 + "1" + "}" * 301
+    r = httpx.post(sidecar.url + "/rollouts/deep/finish", content=finish)
+    assert r.status_code == 400 and "254 levels" in r.json()["error"]["message"]
 
 
 def test_health_and_metrics(sidecar: Any) -> None:

@@ -4,6 +4,7 @@ byte only, and both upstream client libraries."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -93,13 +94,73 @@ def test_ejected_upstream_is_tried_again_later() -> None:
     assert pool.candidates("roll")[0] is first  # back, and the rollout sticks to it again
 
 
-def test_upstream_timeout_gives_504(fake: Any, make_sidecar: Any) -> None:
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_upstream_silent_before_its_headers_gives_504(
+    fake: Any, make_sidecar: Any, client: str
+) -> None:
     fake[0].delay_s = 1.0
-    sc = make_sidecar((fake[1].url,), read_timeout_s=0.2, retries=0)
+    sc = make_sidecar((fake[1].url,), read_timeout_s=0.2, retries=0, client=client)
     r = httpx.post(sc.base("slow") + "/chat/completions", json=CHAT, timeout=10)
-    assert r.status_code in (502, 504)
-    assert r.json()["error"]["code"] == r.status_code
-    assert not sc.store.calls("slow")[0].ok
+    assert r.status_code == 504
+    assert r.json()["error"] == {
+        "message": r.json()["error"]["message"],
+        "type": "upstream_timeout",
+        "param": None,
+        "code": 504,
+    }
+    (rec,) = sc.store.calls("slow")
+    assert rec.status == 504 and rec.error.startswith("upstream:") and not rec.ok
+
+
+def stalling_upstream(stream: bool) -> Any:
+    """Sends its headers and a first piece of the body, then goes silent until the caller leaves:
+    a server stuck mid-answer."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if stream:
+            headers = [(b"content-type", b"text/event-stream")]
+            first = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+        else:
+            headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+            first = b'{"choices"'
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        await asyncio.wait_for(receive(), 30)  # returns when the sidecar hangs up
+
+    return app
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_upstream_silent_mid_answer_gives_504(make_sidecar: Any, client: str) -> None:
+    with ServerThread(stalling_upstream(stream=False)) as up:
+        sc = make_sidecar((up.url,), read_timeout_s=0.3, retries=0, client=client)
+        r = httpx.post(sc.base("stall") + "/chat/completions", json=CHAT, timeout=10)
+        models = httpx.get(sc.base("stall") + "/models", timeout=10)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
+    assert "timed out" in r.json()["error"]["message"]
+    assert models.status_code == 504 and models.json()["error"]["code"] == 504
+    (rec,) = sc.store.calls("stall")
+    assert rec.status == 504 and rec.error.startswith("upstream:")
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_upstream_silent_mid_stream_ends_the_stream_with_a_504_event(
+    make_sidecar: Any, client: str
+) -> None:
+    with ServerThread(stalling_upstream(stream=True)) as up:
+        sc = make_sidecar((up.url,), read_timeout_s=0.3, retries=0, client=client)
+        body = {**CHAT, "stream": True}
+        r = httpx.post(sc.base("st") + "/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200 and r.text.startswith('data: {"choices"')
+    last = json.loads(r.text.strip().rsplit("data: ", 1)[-1])
+    assert last["error"]["code"] == 504 and "timed out" in last["error"]["message"]
+    assert "[DONE]" not in r.text
+    (rec,) = sc.store.calls("st")
+    assert not rec.ok and rec.error.startswith("upstream:")
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
