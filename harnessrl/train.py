@@ -223,8 +223,9 @@ def collect(run: Run, step: int) -> RoundResult:
         base_url=run.capture.base_url,
         timeout_s=r.timeout_s,
         attempt=int(run.position["attempt"]),
+        reward=run.capture.reward_credential,
     )
-    return run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator))
+    return run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator), r.posted_reward)
 
 
 def step_traces(run: Run, rollouts: RoundResult) -> tuple[StepTraces, dict[str, float]]:
@@ -301,8 +302,9 @@ def evaluate(run: Run, step: int) -> float:
         base_url=run.capture.base_url,
         timeout_s=r.timeout_s,
         attempt=int(run.position["attempt"]),
+        reward=run.capture.reward_credential,
     )
-    result = run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator))
+    result = run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator), r.posted_reward)
     reward = result.reward_mean(failed_as=0.0)
     run.last_eval_s = result.duration_s
     run.log.log(
@@ -350,8 +352,10 @@ def train(run: Run) -> None:
             run.log.phase(f"step {step + 1}: rollouts", completed=step)
             rollouts = (pending or pool.submit(collect, run, step)).result()
             pending = None
-            if cfg.loop == "async" and cfg.max_staleness > 0 and not last:
-                pending = pool.submit(collect, run, step + 1)  # runs while this step updates
+            if cfg.loop == "async" and not last:
+                # Runs while this step updates; with max_staleness=0, only its runs whose every
+                # call came after the swap are trained, the others are dropped as stale.
+                pending = pool.submit(collect, run, step + 1)
             run.log.phase(f"step {step + 1}: update")
             metrics = update(run, step, rollouts)
             run.log.phase(f"step {step + 1}: weight swap")
@@ -435,7 +439,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     if args.mesh:
         overrides.append(f"learner.mesh={args.mesh}")
     try:
-        return load_config(args.config, overrides, smoke=args.smoke)
+        cfg = load_config(args.config, overrides, smoke=args.smoke)
+        get_evaluator(cfg.rollout.evaluator)  # a user's module:function must import, now
+        return cfg
     except ValueError as err:
         parser.error(str(err))
         raise  # parser.error exits; this keeps type checkers content

@@ -3,18 +3,23 @@ packing, 2-device sharded update, weight swap) and its outputs; CLI parsing; res
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from harnessrl.traces.schema import CallRecord, RolloutState
+from harnessrl.traces.sqlite import SQLiteTraceStore
 from harnessrl.train import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +28,22 @@ FINAL = re.compile(
 )
 
 
-def _train(out: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(scope="module")
+def smoke_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of the smoke runs here: they all compile the same tiny programs, so they
+    share one persistent XLA cache and only the first pays for compiling them."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    return env
+
+
+def _train(
+    out: Path, env: dict[str, str], *args: str, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}", *args]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -46,14 +65,14 @@ def _records(out: Path) -> list[dict]:
 
 SLOW = pytest.mark.skipif(
     os.environ.get("HARNESSRL_SLOW") != "1",
-    reason="a second smoke run (~2 min); set HARNESSRL_SLOW=1 to run it",
+    reason="async at the default max_staleness=1, one more smoke run; set HARNESSRL_SLOW=1",
 )
 
 
 @pytest.mark.parametrize("loop", ["sync", pytest.param("async", marks=SLOW)])
-def test_smoke_runs_the_whole_loop(tmp_path: Path, loop: str) -> None:
+def test_smoke_runs_the_whole_loop(tmp_path: Path, loop: str, smoke_env: dict[str, str]) -> None:
     out = tmp_path / "smoke"
-    proc = _train(out, f"run.loop={loop}")
+    proc = _train(out, smoke_env, f"run.loop={loop}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = FINAL.match(last)
@@ -103,6 +122,68 @@ def test_smoke_runs_the_whole_loop(tmp_path: Path, loop: str) -> None:
     db.close()
 
 
+HARNESS = ROOT / "tests" / "rollout" / "reward_harness.py"
+
+
+def _posted_reward() -> Any:
+    """The reward function of the test harness, to recompute what each run posted."""
+    spec = importlib.util.spec_from_file_location("reward_harness", HARNESS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.posted_reward
+
+
+def test_async_smoke_drops_stale_runs_and_trains_on_the_rewards_harnesses_posted(
+    tmp_path: Path, smoke_env: dict[str, str]
+) -> None:
+    out = tmp_path / "async"
+    # Runs ending in -r0 post their own reward (and check a sibling's URL refuses their
+    # credential); the others are scored by a user's function named as module:function.
+    harness = f"{{python}} {shlex.quote(str(HARNESS))} --post-when-suffix=-r0 --probe-sibling"
+    proc = _train(
+        out,
+        smoke_env,
+        "run.loop=async",
+        "run.max_staleness=0",  # step 2's runs, made while step 1 updated, are all too old
+        "run.export_hf=false",
+        f"rollout.harness={harness}",
+        "rollout.evaluator=tests.rollout.user_rewards:per_call",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert FINAL.match(proc.stdout.strip().splitlines()[-1])
+    first, second = [r for r in _records(out) if r["kind"] == "train"]
+    assert first["runs_stale"] == 0 and first["learner_step"] == 1 and first["runs_failed"] == 0
+    # Step 2's runs started while step 1 updated: those served by policy 0 lag one version.
+    assert second["runs_failed"] == 0 and second["staleness_max"] == 1
+    assert second["runs_stale"] >= 1
+    assert second["runs_trained"] == second["runs"] - second["runs_stale"]  # left out, no more
+    if second["runs_trained"] == 0:  # nothing left to train on: no update, no swap
+        assert "learner_step" not in second and second["t_swap"] == 0.0
+
+    store = SQLiteTraceStore(str(out / "traces.db"))
+    records = store.rollouts()
+    calls = {r.rollout_id: store.calls(r.rollout_id) for r in records}
+    store.close()
+    lagging = [rid for rid, cs in calls.items() if rid.startswith("s1-") and min_version(cs) == 0]
+    assert len(lagging) == second["runs_stale"]
+    assert len(records) == 8 + 12 and {r.state for r in records} == {RolloutState.SUCCEEDED}
+    posted_reward = _posted_reward()
+    for r in records:
+        if r.rollout_id.endswith("-r0"):  # the harness's own reward, from its recorded reply
+            reply = calls[r.rollout_id][-1].response or {}
+            text = reply["choices"][0]["message"]["content"] or ""
+            assert r.info["reward_source"] == "posted", r
+            assert r.reward == posted_reward(text), r
+        else:  # tests/rollout/user_rewards.py:per_call
+            assert r.info["reward_source"] == "evaluator", r
+            assert r.reward == 0.25 * len(calls[r.rollout_id]), r
+
+
+def min_version(calls: list[CallRecord]) -> int | None:
+    return min((c.policy_version for c in calls if c.policy_version is not None), default=None)
+
+
 def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(["--help"])
@@ -121,35 +202,49 @@ def test_cli_overrides_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         parse_args(["stepz=3"])
     assert exc.value.code == 2
     assert "unknown config key 'stepz'" in capsys.readouterr().err
+    # A user's reward function must import before anything starts.
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["rollout.evaluator=no_such_rewards_module:score"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "rollout.evaluator='no_such_rewards_module:score': cannot import module" in err
 
 
-@pytest.mark.skipif(
-    os.environ.get("HARNESSRL_SLOW") != "1",
-    reason="Ctrl-C and resume runs the smoke loop twice (~3 min); set HARNESSRL_SLOW=1 to run it",
-)
-def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
-    out = tmp_path / "resume"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(
+    tmp_path: Path, smoke_env: dict[str, str]
+) -> None:
+    out, env = tmp_path / "resume", smoke_env
+    # Three steps, so at least one is left when the interrupt lands after checkpoint 1 even on a
+    # slow machine; evals only at the start and the end.
     argv = [sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}",
-            "steps=4", "run.resume=true"]  # fmt: skip
+            "steps=3", "run.eval_every=3", "run.resume=true", "run.export_hf=false"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 400
-    while not (out / "checkpoints" / "1").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    stdout, _ = proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 400
+        while not (out / "checkpoints" / "1").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, stdout[-2000:]
     assert "resume from the last checkpoint" in stdout
     done = [r["step"] for r in _records(out) if r["kind"] == "train"]
-    assert done and max(done) < 4
+    assert done and max(done) < 3
 
     again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumed = re.search(r"resumed from checkpoint at step (\d+)", again.stdout)
     assert resumed and int(resumed.group(1)) >= 1
-    steps = [r["step"] for r in _records(out) if r["kind"] == "train"]
-    assert steps[-1] == 4 and sorted(set(steps)) == [1, 2, 3, 4]
+    records = _records(out)
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps[-1] == 3 and sorted(set(steps)) == [1, 2, 3]
+    # The resumed run continued the learner: policy versions 1..3, never a restart from 0.
+    assert [r["learner_step"] for r in records if r["kind"] == "train"][-1] == 3
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3]  # eval 0 not redone
     assert FINAL.match(again.stdout.strip().splitlines()[-1])
 
 
