@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from harnessrl.traces.schema import TERMINAL_STATES, InvalidTransition, RolloutState, UnknownRollout
+from proxy_sidecar.budget import BodyBudget
 from proxy_sidecar.config import MODES, SidecarConfig, policy_version_error
 from proxy_sidecar.errors import (
     BadRequest,
@@ -53,6 +54,7 @@ class SidecarState:
         self._idle.set()
         self.pool: Any = None
         self.recorder: Any = None
+        self.budget = BodyBudget(config.max_buffered_bytes, metrics)
         if config.policy_version is not None:
             metrics.policy_version.set(config.policy_version)
 
@@ -138,23 +140,59 @@ def authorize(scope: Scope, token: str | None, rollout_id: str | None = None) ->
     raise Unauthorized("missing or wrong bearer token for the control API")
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, budget: BodyBudget | None = None
+) -> bytearray:
+    """The whole body, at most `limit` bytes. With a `budget`, its bytes are taken from it as they
+    arrive (the caller gives `len(body)` back when the call is done); if the budget refuses, the
+    rest of the body is read and dropped, so that the client gets the 503 rather than a reset."""
+    declared = 0
     for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise BodyTooLarge(f"request body over the {limit}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
+        if name == b"content-length" and value.isdigit():
+            declared = int(value)
+            if declared > limit:
+                raise BodyTooLarge(f"request body over the {limit}-byte limit")
+    body = bytearray()  # grows in place: no second copy of a large body when it is complete
+    size = taken = 0  # bytes read; bytes taken from the budget
+    try:
+        if budget is not None and declared:
+            budget.take(declared)
+            taken = declared
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise BadRequest("client went away before sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body over the {limit}-byte limit")
+            if budget is not None and size > taken:
+                budget.take(size - taken)
+                taken = size
+            body += chunk
+            if not message.get("more_body", False):
+                break
+    except BaseException as err:
+        if budget is not None:
+            budget.give(taken)
+        if isinstance(err, Unavailable):
+            del body
+            await _drop_body(receive, limit - size)
+        raise
+    if budget is not None:
+        budget.give(taken - size)  # a Content-Length above what came
+    return body
+
+
+async def _drop_body(receive: Receive, allowance: int) -> None:
+    """Read what is left of a refused body (up to `allowance` bytes) without keeping it."""
+    while allowance >= 0:
         message = await receive()
         if message["type"] != "http.request":
-            raise BadRequest("client went away before sending the body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body over the {limit}-byte limit")
-        chunks.append(chunk)
+            return
+        allowance -= len(message.get("body", b""))
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return
 
 
 async def read_json(scope: Scope, receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:

@@ -20,10 +20,13 @@ class SidecarError(Exception):
     status = 400
     type = "invalid_request_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s  # sent as Retry-After: when trying again makes sense
 
 
 class BadRequest(SidecarError):
@@ -94,4 +97,8 @@ async def send_json(send: Send, status: int, body: bytes, headers: list[Any] | N
 
 
 async def send_error(send: Send, err: SidecarError) -> None:
-    await send_json(send, err.status, error_body(err.status, err.message, err.type, err.param))
+    headers = []
+    if err.retry_after_s is not None:
+        headers.append((b"retry-after", str(err.retry_after_s).encode()))
+    body = error_body(err.status, err.message, err.type, err.param)
+    await send_json(send, err.status, body, headers)

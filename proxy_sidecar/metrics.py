@@ -56,6 +56,16 @@ class Metrics:
         self.capture_errors = Counter(
             "sidecar_capture_errors", "Responses without usable token ids/logprobs", registry=r
         )
+        self.buffered_bytes = Gauge(
+            "sidecar_buffered_request_bytes",
+            "Request body bytes held by calls in flight",
+            registry=r,
+        )
+        self.budget_refusals = Counter(
+            "sidecar_budget_refusals",
+            "Calls refused (503) because --max-buffered-bytes was reached",
+            registry=r,
+        )
         self.paused = Gauge("sidecar_paused", "1 while new calls are held", registry=r)
         self.policy_version = Gauge("sidecar_policy_version", "Current policy version", registry=r)
 

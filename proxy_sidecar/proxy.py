@@ -100,6 +100,16 @@ def read_failure(err: UpstreamFailure) -> SidecarError:
     return NoUpstream(f"upstream failed while answering: {err}")
 
 
+def parse_request(raw: bytes | bytearray) -> dict[str, Any]:
+    try:
+        request = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise BadRequest(f"request body is not valid JSON: {err}") from err
+    if not isinstance(request, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(request).__name__}")
+    return request
+
+
 class ProxyEndpoint:
     """Pure-ASGI handler of one OpenAI route (chat or completions)."""
 
@@ -113,24 +123,26 @@ class ProxyEndpoint:
         started = time.time()
         state = self.state
         try:
-            raw = await read_body(scope, receive, state.config.max_body_bytes)
-            try:
-                request = orjson.loads(raw)
-            except orjson.JSONDecodeError as err:
-                raise BadRequest(f"request body is not valid JSON: {err}") from err
-            if not isinstance(request, dict):
-                raise BadRequest(
-                    f"request body must be a JSON object, got {type(request).__name__}"
-                )
-            rollout_id = rollout_of(scope, state.config.default_rollout)
-            await state.enter()
+            raw = await read_body(scope, receive, state.config.max_body_bytes, state.budget)
         except SidecarError as err:
             await send_error(send, err)
             return
-        try:
-            await self._forward(scope, receive, send, request, rollout_id, started)
+        size = len(raw)
+        try:  # the body's bytes stay taken from the budget until the call is done
+            try:
+                request = parse_request(raw)
+                del raw  # from here on the parsed copy is all the call needs
+                rollout_id = rollout_of(scope, state.config.default_rollout)
+                await state.enter()
+            except SidecarError as err:
+                await send_error(send, err)
+                return
+            try:
+                await self._forward(scope, receive, send, request, rollout_id, started)
+            finally:
+                state.leave()
         finally:
-            state.leave()
+            state.budget.give(size)
 
     async def _forward(
         self,
@@ -162,6 +174,7 @@ class ProxyEndpoint:
             upstream, resp = await state.pool.request(
                 rollout_id, "POST", path, upstream_headers(scope), body
             )
+            del body  # sent (retries happen inside request()); the memory can go now
         except SidecarError as err:
             state.metrics.upstream_errors.labels("connect").inc()
             record = build_record(

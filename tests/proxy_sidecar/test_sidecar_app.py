@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -56,6 +58,53 @@ def test_bad_requests_get_openai_style_4xx(
     err = r.json()["error"]
     assert err["code"] == status and isinstance(err["message"], str) and err["type"]
     assert sidecar.store.count_calls() == 0
+
+
+def test_buffered_bodies_share_one_budget_and_past_it_get_503_retry_after(
+    fake: Any, make_sidecar: Any
+) -> None:
+    fake[0].delay_s = 1.5  # admitted calls stay in flight, holding their bodies
+    sc = make_sidecar((fake[1].url,), max_body_bytes=40_000, max_buffered_bytes=100_000)
+    big = [
+        {**CHAT, "messages": [{"role": "user", "content": f"{k} " + "x" * 30_000}]}
+        for k in range(4)
+    ]
+    got: dict[int, httpx.Response] = {}
+
+    def harness(k: int) -> None:
+        got[k] = httpx.post(sc.base(f"buf{k}") + "/chat/completions", json=big[k], timeout=30)
+
+    workers = [threading.Thread(target=harness, args=(k,)) for k in range(3)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 20
+    while sc.state.in_flight < 3:  # three bodies of ~30 kB held: no room for a fourth
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+    def chunked() -> Any:  # no Content-Length: refused part-way through the body
+        raw = json.dumps(big[3]).encode()
+        for i in range(0, len(raw), 4096):
+            yield raw[i : i + 4096]
+
+    for content in (json.dumps(big[3]).encode(), chunked()):
+        r = httpx.post(sc.base("buf3") + "/chat/completions", content=content, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert "--max-buffered-bytes" in r.json()["error"]["message"]
+    for w in workers:
+        w.join(30)
+    fake[0].delay_s = 0.0
+    assert [got[k].status_code for k in range(3)] == [200, 200, 200]
+    budget = sc.state.budget
+    while budget.held:  # given back as each handler returns, just after its response went out
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert 90_000 < budget.peak <= 100_000
+    assert "sidecar_budget_refusals_total 2.0" in httpx.get(sc.url + "/metrics").text
+    r = httpx.post(sc.base("buf3") + "/chat/completions", json=big[3], timeout=30)
+    assert r.status_code == 200  # room again once the others finished
+    assert [sc.store.count_calls(f"buf{k}") for k in range(4)] == [1, 1, 1, 1]
 
 
 def nested(depth: int) -> Any:

@@ -66,6 +66,8 @@ def test_override_flags_must_be_json_objects(bad: str) -> None:
         ({"pause_timeout_s": 0}, "pause_timeout_s"),
         ({"retries": -1}, "retries"),
         ({"host": "0.0.0.0"}, "control-token"),
+        ({"max_buffered_bytes": 0}, "max_buffered_bytes"),
+        ({"max_buffered_bytes": 1000}, "at least max_body_bytes"),
         ({"policy_version": 2**63}, "policy_version"),
         ({"policy_version": -1}, "policy_version"),
         ({"policy_version": True}, "policy_version"),
@@ -85,6 +87,14 @@ def test_policy_version_flag_is_a_64_bit_non_negative_integer(
     assert "--policy-version" in capsys.readouterr().err
     top = parse_args(["--upstream", "http://a:1", "--policy-version", str(2**63 - 1)], env={})
     assert top.policy_version == 2**63 - 1
+
+
+def test_memory_budget_flag() -> None:
+    cfg = parse_args(["--upstream", "http://a:1"], env={})
+    assert cfg.max_buffered_bytes == 32 * 1024 * 1024 >= cfg.max_body_bytes
+    argv = ["--upstream", "http://a:1", "--max-body-bytes", "1000", "--max-buffered-bytes", "5000"]
+    cfg = parse_args(argv, env={})
+    assert (cfg.max_body_bytes, cfg.max_buffered_bytes) == (1000, 5000)
 
 
 def test_non_loopback_bind_is_fine_with_a_token() -> None:
