@@ -12,6 +12,7 @@ import httpx
 from fake_vllm import free_port
 
 FAKE = pathlib.Path(__file__).parents[1] / "fixtures" / "vllm" / "fake_vllm.py"
+DISTINCT = FAKE.with_name("distinct_upstream.py")
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -30,14 +31,11 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) 
     raise RuntimeError(f"{url} not up after {timeout_s}s")
 
 
-def start_upstream(fixed: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    """The fake vLLM, or (`fixed`) the benchmark's upstream that answers fixed vLLM-shaped bytes
-    at almost no CPU cost, for tests that measure the sidecar rather than the fake."""
+def start_upstream(distinct: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """The fake vLLM, or (`distinct`) the load tests' upstream: almost no CPU per call, and each
+    answer derived from its request, so a response given to the wrong client shows."""
     port = free_port()
-    if fixed:
-        cmd = [sys.executable, "-m", "harnessrl.benchmarks.sidecar", "--serve-upstream", str(port)]
-    else:
-        cmd = [sys.executable, str(FAKE), "--port", str(port)]
+    cmd = [sys.executable, str(DISTINCT if distinct else FAKE), "--port", str(port)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.DEVNULL,

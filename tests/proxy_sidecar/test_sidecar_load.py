@@ -1,4 +1,5 @@
-"""Acceptance: load (256 concurrent clients x 20 calls) and kill -9 under load; no call is lost."""
+"""Acceptance: load (256 concurrent clients x 20 calls, each with its own answer) and kill -9 under
+load; no call is lost or mixed up; concurrent large bodies stay within the memory budget."""
 
 from __future__ import annotations
 
@@ -7,18 +8,23 @@ import os
 import pathlib
 import signal
 import time
-from collections import Counter
 from typing import Any
 
 import aiohttp
 import orjson
+from distinct_upstream import answer
 from sidecar_proc import start_sidecar, start_upstream, stop
 
+from harnessrl.traces.schema import CallRecord
 from harnessrl.traces.sqlite import SQLiteTraceStore
 
 
+def content(rollout: str, i: int) -> str:
+    return f"{rollout} call {i}"
+
+
 def body(rollout: str, i: int, stream: bool) -> bytes:
-    msg = {"role": "user", "content": f"{rollout} call {i}"}
+    msg = {"role": "user", "content": content(rollout, i)}
     return orjson.dumps({"model": "smol", "messages": [msg], "max_tokens": 4, "stream": stream})
 
 
@@ -35,8 +41,27 @@ async def call(
         return raw
 
 
-def test_256_clients_x_20_calls_all_stored_once(tmp_path: pathlib.Path) -> None:
-    up, up_url = start_upstream(fixed=True)
+def received_ids(raw: bytes, stream: bool) -> list[int]:
+    """The completion token ids a client got, from a whole body or an SSE stream."""
+    if not stream:
+        return list(orjson.loads(raw)["choices"][0]["token_ids"])
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    events = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+
+
+def assert_own_answer(rec: CallRecord, text: str) -> None:
+    """The store holds this call with the answer the upstream gave to exactly this request."""
+    ids, lps = answer(text)
+    assert rec.ok, rec.error
+    assert rec.request["messages"][0]["content"] == text
+    assert list(rec.choices[0].token_ids) == ids and list(rec.choices[0].logprobs) == lps
+
+
+def test_256_clients_x_20_calls_each_get_and_store_their_own_answer(
+    tmp_path: pathlib.Path,
+) -> None:
+    up, up_url = start_upstream(distinct=True)
     sc, url = start_sidecar(up_url, tmp_path / "load.db")
     clients, per = 256, 20
 
@@ -59,24 +84,20 @@ def test_256_clients_x_20_calls_all_stored_once(tmp_path: pathlib.Path) -> None:
         stop(up)
     store = SQLiteTraceStore(tmp_path / "load.db")
     assert store.count_calls() == clients * per
-    contents = Counter()
     for k in range(clients):
         calls = store.calls(f"c{k}")
-        assert [c.seq for c in calls] == list(range(per))
-        assert all(c.ok for c in calls), [c.error for c in calls if not c.ok]
+        assert [c.seq for c in calls] == list(range(per))  # once each, in the client's order
         for i, c in enumerate(calls):
-            contents[c.request["messages"][0]["content"]] += 1
-            if (k + i) % 2:  # non-streaming: the stored ids are the ones the client got
-                got = orjson.loads(received[k][i])
-                assert list(c.choices[0].token_ids) == got["choices"][0]["token_ids"]
-    assert len(contents) == clients * per and set(contents.values()) == {1}
+            text = content(f"c{k}", i)
+            assert_own_answer(c, text)
+            assert received_ids(received[k][i], stream=(k + i) % 2 == 0) == answer(text)[0]
     print(f"{clients * per} calls in {elapsed:.1f}s")
     store.close()
 
 
 def test_kill_9_under_load_loses_no_fully_received_call(tmp_path: pathlib.Path) -> None:
     db = tmp_path / "crash.db"
-    up, up_url = start_upstream(fixed=True)
+    up, up_url = start_upstream(distinct=True)
     sc, url = start_sidecar(up_url, db)
     done: list[tuple[str, int, bool, bytes]] = []
 
@@ -85,10 +106,8 @@ def test_kill_9_under_load_loses_no_fully_received_call(tmp_path: pathlib.Path) 
             stream = i % 2 == 1
             try:
                 raw = await call(session, url, f"k{k}", i, stream)
-            except (TimeoutError, aiohttp.ClientError, AssertionError):
+            except (TimeoutError, aiohttp.ClientError):
                 return  # the sidecar died under this call: it was not fully received
-            if stream and not raw.endswith(b"data: [DONE]\n\n"):
-                return
             done.append((f"k{k}", i, stream, raw))
 
     async def main() -> None:
@@ -113,11 +132,11 @@ def test_kill_9_under_load_loses_no_fully_received_call(tmp_path: pathlib.Path) 
         for c in store.calls(rollout):
             stored[(rollout, c.request["messages"][0]["content"])] = c
     for rollout, i, stream, raw in done:
-        rec = stored.get((rollout, f"{rollout} call {i}"))
+        text = content(rollout, i)
+        rec = stored.get((rollout, text))
         assert rec is not None, f"fully received call {rollout}/{i} missing after kill -9"
-        assert rec.ok
-        if not stream:
-            assert list(rec.choices[0].token_ids) == orjson.loads(raw)["choices"][0]["token_ids"]
+        assert_own_answer(rec, text)
+        assert received_ids(raw, stream) == answer(text)[0]
     assert store.count_calls("after-restart") == 1
     store.close()
 
@@ -125,3 +144,52 @@ def test_kill_9_under_load_loses_no_fully_received_call(tmp_path: pathlib.Path) 
 async def _one_call(url: str) -> None:
     async with aiohttp.ClientSession() as s:
         await call(s, url, "after-restart", 0, False)
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
+def test_concurrent_large_bodies_stay_within_the_memory_budget(tmp_path: pathlib.Path) -> None:
+    """16 clients send 8 MB each at once to a sidecar with a 16 MiB budget. Unbounded, it would
+    hold all 128 MB, a few copies of each (body, parsed, re-encoded, recorded: 258 MiB measured);
+    with the budget at most 16 MiB of bodies are in flight, so the peak stays within a few copies
+    of that (48 MiB measured; the bound is 6 copies), and the calls past it get 503."""
+    budget = 16 * 1024 * 1024
+    up, up_url = start_upstream(distinct=True)
+    sc, url = start_sidecar(
+        up_url, tmp_path / "mem.db", "--max-body-bytes", str(budget // 2),
+        "--max-buffered-bytes", str(budget),
+    )  # fmt: skip
+    big = "x" * (8 * 1000 * 1000)
+
+    async def one(session: aiohttp.ClientSession, k: int) -> int:
+        msg = {"role": "user", "content": f"{k} {big}"}
+        data = orjson.dumps({"model": "smol", "messages": [msg], "max_tokens": 2})
+        async with session.post(f"{url}/rollouts/m{k}/v1/chat/completions", data=data) as r:
+            await r.read()
+            assert r.status == 503 or r.status == 200, r.status
+            if r.status == 503:
+                assert r.headers["retry-after"] == "1"
+            return r.status
+
+    async def main() -> list[int]:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            return await asyncio.gather(*(one(s, k) for k in range(16)))
+
+    try:
+        start = _peak_rss_bytes(sc.pid)
+        statuses = asyncio.run(main())
+        peak = _peak_rss_bytes(sc.pid)
+    finally:
+        stop(sc)
+        stop(up)
+    assert 200 in statuses and 503 in statuses  # the budget was reached and calls still served
+    assert peak - start < 6 * budget, f"peak grew {(peak - start) / 2**20:.0f} MiB"
+    with SQLiteTraceStore(tmp_path / "mem.db") as store:
+        assert store.count_calls() == statuses.count(200)
