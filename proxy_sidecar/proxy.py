@@ -65,7 +65,8 @@ def rewrite(request: dict[str, Any], endpoint: EndpointKind, state: SidecarState
 
 
 def upstream_headers(scope: Scope) -> list[tuple[str, str]]:
-    out = [("content-type", "application/json")]
+    # Said explicitly: httpx would otherwise offer gzip, and the body must be readable here.
+    out = [("content-type", "application/json"), ("accept-encoding", "identity")]
     for name, value in scope["headers"]:
         if name not in _HOP_REQUEST:
             out.append((name.decode("latin-1"), value.decode("latin-1")))

@@ -47,6 +47,7 @@ def fake(_fake_server: tuple[FakeVLLM, ServerThread]) -> tuple[FakeVLLM, ServerT
     upstream.delay_s = 0.0
     upstream.drop_after_chunks = None
     upstream.requests = []
+    upstream.seen = []
     upstream.honor_token_ids = True
     return _fake_server
 

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from harnessrl.traces.schema import RolloutRecord
@@ -169,12 +170,38 @@ def test_one_log_line_per_call_without_content(
     assert second["stream"] is True and second["choices"] == 2 and second["completion_tokens"] == 6
 
 
-def test_query_string_and_headers_reach_upstream(fake: Any, sidecar: Any) -> None:
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_query_string_and_headers_reach_upstream(fake: Any, make_sidecar: Any, client: str) -> None:
+    sc = make_sidecar((fake[1].url,), client=client)
+    harness_headers = {
+        "x-trace": "abc",
+        "authorization": "Bearer sk-harness",  # the harness's own key: the upstream's business
+        "content-type": "text/plain",  # what the sidecar sends is JSON, whatever this says
+        "accept-encoding": "gzip",  # the sidecar reads the body, so it asks for identity
+        "keep-alive": "timeout=99",
+        "proxy-connection": "keep-alive",
+        "te": "trailers",
+    }
     r = httpx.post(
-        sidecar.base("h") + "/chat/completions?x=1", json=CHAT, headers={"x-trace": "abc"}
+        sc.base("h") + "/chat/completions?x=1&y=two%20words",
+        content=json.dumps(CHAT),
+        headers=harness_headers,
     )
-    assert r.status_code == 200 and r.headers["x-fake-upstream"] == "1"
-    assert "content-length" in r.headers
+    assert r.status_code == 200 and r.headers["x-fake-upstream"] == "1"  # upstream's own header
+    assert int(r.headers["content-length"]) == len(r.content)
+    (seen,) = fake[0].seen
+    assert seen["query"] == "x=1&y=two%20words"
+    sent: dict[bytes, list[bytes]] = {}
+    for name, value in seen["headers"]:
+        sent.setdefault(name, []).append(value)
+    assert sent[b"x-trace"] == [b"abc"] and sent[b"authorization"] == [b"Bearer sk-harness"]
+    assert sent[b"content-type"] == [b"application/json"]
+    assert sent[b"host"] == [fake[1].url.removeprefix("http://").encode()]
+    (length,) = sent[b"content-length"]  # recomputed for the rewritten body
+    assert int(length) == len(orjson.dumps(fake[0].requests[0]))
+    for hop in (b"keep-alive", b"proxy-connection", b"te"):
+        assert hop not in sent, hop
+    assert sent[b"accept-encoding"] == [b"identity"]
 
 
 async def truncating_upstream(scope: Any, receive: Any, send: Any) -> None:
