@@ -65,6 +65,7 @@ class EmbeddedSync:
         urls: Sequence[str] | str = (),
         timeout_s: float = 600.0,
         client: httpx.Client | None = None,
+        admin_token: str | None = None,  # the servers' --admin-token (sent as a bearer token)
     ) -> None:
         if engine is None and not urls:
             raise ValueError("EmbeddedSync needs an in-process engine or the servers' urls")
@@ -75,6 +76,7 @@ class EmbeddedSync:
         self.engine = engine
         self.urls = _urls(urls, "EmbeddedSync") if urls else ()
         self._client = client or httpx.Client(timeout=timeout_s)
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     def push(self, export_dir_or_params: Any, version: int) -> None:
         version = _check_version(version)
@@ -92,6 +94,7 @@ class EmbeddedSync:
                 r = self._client.post(
                     f"{url}/admin/load_weights",
                     json={"path": str(path.resolve()), "version": version},
+                    headers=self._headers,
                 )
             except httpx.HTTPError as err:
                 raise WeightSyncError(f"{url}: load_weights failed: {err}") from err
@@ -156,27 +159,49 @@ class VLLMSync:
         t0 = time.monotonic()
         self._post(url, "/pause", params={"mode": self.config.pause_mode})
         try:
-            r = self._post(
-                url,
-                "/collective_rpc",
-                json={
-                    "method": "reload_weights",
-                    "kwargs": {"weights_path": weights_path},
-                    "timeout": self.config.timeout_s,
-                },
-            )
-            self._post(url, "/reset_prefix_cache")
+            self._reload(url, weights_path)
+            r = self._post(url, "/reset_prefix_cache")
+            # vLLM answers {"success": false} while KV blocks are still held; serving on would
+            # reuse prefixes computed with the old weights.
+            if r.content and r.json().get("success") is False:
+                raise WeightSyncError(f"{url}/reset_prefix_cache answered {r.text[:200]}")
             self._post(url, "/update_weight_version", json={"new_version": str(version)})
-        finally:
-            self._post(url, "/resume")
+        except BaseException as err:
+            try:
+                self._post(url, "/resume")  # always, also after a failure
+            except WeightSyncError as resume_err:
+                # A failed reload stops vLLM, so /resume fails too: report the cause first.
+                raise WeightSyncError(f"{err}; then {resume_err}") from err
+            raise
+        self._post(url, "/resume")
+        self.last_push_s = time.monotonic() - t0
+
+    def _reload(self, url: str, weights_path: str) -> None:
+        body = {
+            "method": "reload_weights",
+            "kwargs": {"weights_path": weights_path},
+            "timeout": self.config.timeout_s,
+        }
+        try:
+            r = self._post(url, "/collective_rpc", json=body)
+        except WeightSyncError as err:
+            raise WeightSyncError(
+                f"{err}; vLLM stops serving after a failed reload_weights: restart it, and push "
+                "only folders with the served model's architecture and tensor shapes, at a path "
+                "the server can read (see path_map)"
+            ) from err
         results = r.json().get("results") if r.content else None
         if results is not None and any(x is not None for x in results):
             raise WeightSyncError(f"{url}: reload_weights returned {results!r}")
-        self.last_push_s = time.monotonic() - t0
 
     def _post(self, url: str, path: str, **kw: Any) -> httpx.Response:
         try:
-            r = self._client.post(url + path, **kw)
+            try:
+                r = self._client.post(url + path, **kw)
+            except httpx.RemoteProtocolError:
+                # After a 500 whose handler raised (a failed reload), vLLM's uvicorn closes the
+                # connection; a request already sent on it is dropped unread. Once, anew.
+                r = self._client.post(url + path, **kw)
         except httpx.HTTPError as err:
             raise WeightSyncError(f"{url}{path} failed: {err}") from err
         if r.status_code == 404:

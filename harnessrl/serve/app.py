@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -71,7 +72,10 @@ def _error(err: RequestError) -> JSONResponse:
 
 
 async def _route_error(request: Request, exc: Exception) -> Response:
-    """Starlette's 404/405 (and anything unforeseen) in vLLM's error body, not plain text."""
+    """Starlette's 404/405 (and anything unforeseen) in vLLM's error body, not plain text.
+
+    vLLM names these by their status phrase ("Not Found"), unlike its own 404 for a model.
+    """
     if isinstance(exc, HTTPException):
         status, headers = exc.status_code, dict(exc.headers or {})
         message = {
@@ -82,7 +86,8 @@ async def _route_error(request: Request, exc: Exception) -> Response:
     else:  # a bug: say so in the protocol's shape, without internals
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         status, headers, message = 500, {}, "internal server error"
-    return _error(RequestError(message, status=status, headers=headers))
+    kind = HTTPStatus(status).phrase if isinstance(exc, HTTPException) else None
+    return _error(RequestError(message, status=status, headers=headers, kind=kind))
 
 
 async def health(request: Request) -> Response:
@@ -104,7 +109,10 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def _read(request: Request, backend: Backend) -> Any:
-    raw = await read_body(request.scope, request.receive, backend.max_body_bytes)
+    try:
+        raw = await read_body(request.scope, request.receive, backend.max_body_bytes)
+    except ConnectionError as err:  # the answer goes nowhere; only the shape must be right
+        raise RequestError(str(err)) from err
     return await asyncio.to_thread(decode_json, raw)
 
 

@@ -28,7 +28,7 @@ from harnessrl.serve.steps import DeviceSteps
 from harnessrl.serve.swap import ParamSwap
 
 log = logging.getLogger(__name__)
-Sink = Callable[[list[TokenEvent]], None]
+Sink = Callable[[list[TokenEvent]], object]
 Cancel = Callable[..., None]
 
 

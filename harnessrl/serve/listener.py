@@ -53,8 +53,8 @@ def error_response(status: int, message: str) -> bytes:
 class LimitedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol plus a head size cap and head/body read deadlines.
 
-    The head is counted as bytes fed to the parser until it reports the headers complete, so
-    the parser never buffers more than the limit plus one socket read.
+    A head still arriving is measured as the bytes fed to the parser, so the parser never
+    buffers more than the limit plus one socket read; a complete head is measured as parsed.
     """
 
     limits = HttpLimits()
@@ -63,7 +63,9 @@ class LimitedHttpTools(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True
         self._head_bytes = 0
+        self._head_seen = False  # some byte of the current head has arrived
         self._in_body = False
+        self._refused = False  # answered by the listener itself: ignore whatever follows
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -75,32 +77,57 @@ class LimitedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._in_head:
             self._head_bytes += len(data)
         elif self._in_body:
             self._arm()  # the body moved: its pause timer starts again
         super().data_received(data)
         if self._in_head and self._head_bytes > self.limits.max_header_bytes:
-            self._refuse(
-                431,
-                f"request line and headers exceed {self.limits.max_header_bytes} bytes",
-            )
+            self._refuse(431, self._too_large())
 
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
         super().on_message_begin()
         if not self._in_head:  # a keep-alive connection's next request: a fresh head deadline
             self._in_head, self._head_bytes = True, 0
             self._arm()
+        self._head_seen = True
+
+    def on_url(self, url: bytes) -> None:
+        if not self._refused:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._refused:
+            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        # request line (method, spaces, version: under 20 bytes) + "name: value\r\n" each
+        size = len(self.url) + 20 + sum(len(k) + len(v) + 4 for k, v in self.headers)
+        if size > self.limits.max_header_bytes:
+            return self._refuse(431, self._too_large())
         self._in_head, self._in_body = False, True
         self._arm()
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
-        self._in_body = False
+        if self._refused:
+            return
+        self._in_body = self._head_seen = False
         self._disarm()
         super().on_message_complete()
+
+    def _too_large(self) -> str:
+        return f"request line and headers exceed {self.limits.max_header_bytes} bytes"
 
     def _arm(self) -> None:
         self._disarm()
@@ -113,12 +140,12 @@ class LimitedHttpTools(HttpToolsProtocol):
 
     def _expired(self) -> None:
         self._deadline = None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._refused:
             return
         if self._in_body and self.flow.read_paused:
             self._arm()  # the app has not read what it was sent: the client is not the slow one
             return
-        if self._in_head and self._head_bytes == 0:
+        if self._in_head and not self._head_seen:
             self.transport.close()  # nothing sent: a plain idle close, like keep-alive expiry
             return
         if self._in_head or self._in_body:
@@ -127,8 +154,9 @@ class LimitedHttpTools(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()
-        self._in_head = self._in_body = False
-        if self.cycle is not None and self.cycle.response_started:
+        self._refused = True
+        # While a head arrives, `cycle` is still the previous request's (answered) one.
+        if not self._in_head and self.cycle is not None and self.cycle.response_started:
             self.transport.close()  # the app already answered part of it; just hang up
             return
         self.transport.write(error_response(status, message))

@@ -39,12 +39,14 @@ class RequestError(Exception):
         status: int = 400,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.headers = headers or {}
+        self.kind = kind
 
     def body(self) -> dict[str, Any]:
         # vLLM's own names where it has them; otherwise the status phrase, as vLLM's handler of
@@ -58,7 +60,7 @@ class RequestError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": kind.get(self.status) or HTTPStatus(self.status).phrase,
+                "type": self.kind or kind.get(self.status) or HTTPStatus(self.status).phrase,
                 "param": self.param,
                 "code": self.status,
             }

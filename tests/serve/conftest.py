@@ -24,3 +24,47 @@ def smol_tokenizer():
     except ValueError as err:
         pytest.skip(f"needs the shipped SmolLM2 model: {err}")
     return ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(path)))
+
+
+@pytest.fixture(scope="session")
+def bounded_tokenizer():
+    from fakes import CostlyByteTokenizer
+
+    return CostlyByteTokenizer()
+
+
+@pytest.fixture(scope="session")
+def bounded_server(bounded_tokenizer):
+    """One warm embedded server with small limits (tiny random model, byte tokenizer that costs
+    about what BPE costs), shared by the limit, listener and admin tests.
+
+    2 slots + 2 waiting sequences, n <= 4, n x max_tokens <= 3000, 3M prompt characters, 8 MiB
+    bodies, 8 KiB request heads, 1 s to send a head (or pause in a body), an admin token.
+    """
+    from fakes import ADMIN_TOKEN, bounded_model_config
+    from flax import nnx
+
+    from harnessrl.model.decoder import Decoder
+    from harnessrl.serve.app import start_server
+    from harnessrl.serve.config import ServeConfig
+
+    cfg = bounded_model_config()
+    config = ServeConfig(
+        model="tiny",
+        port=0,
+        num_slots=2,
+        max_waiting=2,
+        max_model_len=1024,
+        prefill_buckets=(32, 256),
+        decode_buckets=(128, 1024),
+        max_n=4,
+        max_request_tokens=3000,
+        max_prompt_chars=3_000_000,
+        max_body_bytes=8 << 20,
+        max_header_bytes=8 << 10,
+        read_timeout_s=1.0,
+        admin_token=ADMIN_TOKEN,
+    )
+    handle = start_server(Decoder(cfg, rngs=nnx.Rngs(0)), bounded_tokenizer, config)
+    yield handle
+    handle.stop()

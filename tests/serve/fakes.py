@@ -1,12 +1,21 @@
-"""Test doubles for the serving tests: a byte-level chat tokenizer with ChatML-style markers."""
+"""Test doubles for the serving tests: byte-level chat tokenizers with ChatML-style markers."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 IM_START, IM_END = 256, 257
 VOCAB = 258
+ADMIN_TOKEN = "admin-test-token"  # the bounded server's (conftest)
+
+
+def bounded_model_config() -> Any:
+    """The tiny random model behind conftest's `bounded_server` (bytes, 1024 positions)."""
+    from harnessrl.model.config import ModelConfig
+
+    return ModelConfig.tiny(vocab_size=VOCAB, eos_token_id=IM_END, max_position_embeddings=1024)
 
 
 class ByteTokenizer:
@@ -44,3 +53,30 @@ class ByteTokenizer:
         if add_generation_prompt:
             ids += [IM_START, *b"assistant\n"]
         return ids
+
+
+class CostlyByteTokenizer(ByteTokenizer):
+    """ByteTokenizer that costs what a BPE tokenizer costs: about 1 µs per character.
+
+    Like the Rust `tokenizers` encoder it does not hold the GIL while it works, so a server that
+    tokenizes on a worker thread keeps answering while it does. `longest` records the longest
+    text it was asked to encode, so tests can tell whether a cap was applied before it.
+    """
+
+    seconds_per_char = 1e-6
+
+    def __init__(self) -> None:
+        self.longest = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.longest = max(self.longest, len(text))
+        time.sleep(len(text) * self.seconds_per_char)
+        return super().encode(text)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: Any = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        chars = sum(len(m.get("content") or "") for m in messages)
+        self.longest = max(self.longest, chars)
+        time.sleep(chars * self.seconds_per_char)
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
