@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from fakes import IM_START, VOCAB, ByteTokenizer
 
-from harnessrl.serve.protocol import RequestError, parse_job
+from harnessrl.serve.config import ServeConfig
+from harnessrl.serve.protocol import RequestError, RequestLimits, parse_job, text_chars
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm_exchanges.jsonl"
 
@@ -21,7 +22,7 @@ def _recorded(kind: str) -> dict:
     raise KeyError(kind)
 
 
-def _job(body, *, chat=True, max_model_len=2048):
+def _job(body, *, chat=True, max_model_len=2048, limits=None):
     return parse_job(
         body,
         chat=chat,
@@ -29,6 +30,7 @@ def _job(body, *, chat=True, max_model_len=2048):
         served="smol",
         max_model_len=max_model_len,
         vocab_size=VOCAB,
+        limits=limits,
     )
 
 
@@ -117,3 +119,79 @@ def test_template_failure_is_a_400():
             vocab_size=VOCAB,
         )
     assert info.value.status == 400 and info.value.param == "messages"
+
+
+class _CountingTokenizer(ByteTokenizer):
+    calls = 0
+
+    def encode(self, text):
+        self.calls += 1
+        return super().encode(text)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        self.calls += 1
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param", "needle"),
+    [
+        ({"prompt": "x", "n": 5}, False, "n", "n must be <= 4"),
+        ({"prompt": "x", "n": 3, "max_tokens": 40}, False, "max_tokens", "ask for 120 tokens"),
+        ({"prompt": "x" * 101}, False, "prompt", "more than 100 characters"),
+        ({"prompt": ["x" * 101]}, False, "prompt", "more than 100 characters"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 101}]}]},
+            True,
+            "messages",
+            "more than 100 characters",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "z"}],
+                "tools": [{"type": "function", "function": {"name": "f", "description": "t" * 99}}],
+            },
+            True,
+            "messages",
+            "more than 100 characters",
+        ),
+    ],
+)
+def test_limits_are_checked_before_the_prompt_is_tokenized(body, chat, param, needle):
+    tokenizer = _CountingTokenizer()
+    limits = RequestLimits(max_n=4, max_request_tokens=100, max_prompt_chars=100)
+    with pytest.raises(RequestError, match=needle) as info:
+        parse_job(
+            body,
+            chat=chat,
+            tokenizer=tokenizer,
+            served="smol",
+            max_model_len=64,
+            vocab_size=VOCAB,
+            limits=limits,
+        )
+    assert info.value.status == 400 and info.value.param == param
+    assert tokenizer.calls == 0
+
+
+def test_unset_max_tokens_counts_the_room_left_against_the_budget():
+    limits = RequestLimits(max_n=8, max_request_tokens=100, max_prompt_chars=1000)
+    chat = {"messages": [{"role": "user", "content": "hello"}]}  # 24 prompt ids: 40 left
+    with pytest.raises(RequestError, match=r"n=3 choices of 40 tokens each ask for 120"):
+        _job({**chat, "n": 3}, max_model_len=64, limits=limits)
+    assert _job({**chat, "n": 2}, max_model_len=64, limits=limits).max_tokens == 40
+
+
+def test_limits_from_a_config_never_exceed_what_the_queue_can_hold():
+    config = ServeConfig(num_slots=2, max_waiting=3, max_n=64, max_prompt_chars=10)
+    assert RequestLimits.of(config) == RequestLimits(
+        max_n=5, max_request_tokens=65536, max_prompt_chars=10
+    )
+
+
+def test_text_chars_walks_any_depth_and_stops_past_the_limit():
+    deep: list = ["ab"]
+    for _ in range(100_000):  # far deeper than Python's recursion limit
+        deep = [deep, {"k": "c"}]
+    assert text_chars(deep, 10**9) == 2 + 100_000 * 2
+    assert text_chars({"a": ["x" * 50] * 1000}, 100) <= 151  # stopped early

@@ -30,6 +30,14 @@ def test_defaults_and_decode_lengths():
         ({"prefill_buckets": (4096,)}, "exceeds max_model_len"),
         ({"decode_buckets": (128, 1024)}, "must end at max_model_len=2048"),
         ({"policy_version": "1"}, "policy_version"),
+        ({"policy_version": 2**63}, r"policy_version must be an integer in \[0, 2\*\*63 - 1\]"),
+        ({"max_n": 0}, "max_n must be a positive integer"),
+        ({"max_request_tokens": True}, "max_request_tokens"),
+        ({"max_body_bytes": -1}, "max_body_bytes"),
+        ({"max_header_bytes": 100}, "ServeConfig.max_header_bytes must be an integer >= 1024"),
+        ({"read_timeout_s": 0}, "ServeConfig.read_timeout_s must be finite and > 0"),
+        ({"admin_token": 5}, "admin_token must be a string"),
+        ({"host": "0.0.0.0"}, "not loopback: set admin_token"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, needle):
@@ -50,17 +58,36 @@ def test_cli_flags_map_to_fields():
             "32,128",
             "--warmup",
             "false",
-        ]
+            "--read-timeout-s",
+            "2.5",
+            "--max-n",
+            "8",
+        ],
+        env={},
     )
     assert cfg == ServeConfig(
-        model="some/dir", port=9000, num_slots=16, prefill_buckets=(32, 128), warmup=False
+        model="some/dir",
+        port=9000,
+        num_slots=16,
+        prefill_buckets=(32, 128),
+        warmup=False,
+        read_timeout_s=2.5,
+        max_n=8,
     )
 
 
 @pytest.mark.parametrize(
-    "argv", [["--port", "zero"], ["--port", "0"], ["--num-slots", "0"], ["--warmup", "maybe"]]
+    "argv",
+    [
+        ["--port", "zero"],
+        ["--port", "0"],
+        ["--num-slots", "0"],
+        ["--warmup", "maybe"],
+        ["--read-timeout-s", "soon"],
+        ["--host", "0.0.0.0"],
+    ],
 )
 def test_cli_rejects_bad_flags(argv, capsys):
     with pytest.raises(SystemExit):
-        parse_args(argv)
+        parse_args(argv, env={})
     assert "error" in capsys.readouterr().err
