@@ -67,7 +67,11 @@ def _too_large(limit: int) -> RequestError:
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The request body, read chunk by chunk; RequestError 413 as soon as it passes `limit`."""
     for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
+        if (
+            name == b"content-length"
+            and value.isdigit()
+            and (len(value) > 18 or int(value) > limit)
+        ):
             raise _too_large(limit)
     chunks, size = [], 0
     while True:
