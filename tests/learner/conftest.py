@@ -53,7 +53,9 @@ def run_script(xla_cache_dir: Path):
     ):
         full_env = {
             **os.environ,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            # The caller's XLA flags (codegen variants) still apply to the subprocess.
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={devices}".strip(),
             "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": str(xla_cache_dir),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -6,7 +6,7 @@ import json
 
 import jax
 import numpy as np
-from tinylearn import flat, random_step, tiny_model
+from tinylearn import flat, loss_scale, random_step, reorder_tolerance, tiny_model
 
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import make_mesh
@@ -27,7 +27,15 @@ def main() -> None:
     single = Learner(tiny_model(), cfg, mesh=make_mesh("dp", jax.devices()[:1]))
     ref_metrics, ref_grads = single.compute_gradients(batches)
     ref = flat(ref_grads)
-    out = {"micro_batches": len(batches), "grad_scale": float(np.abs(ref).max()), "meshes": {}}
+    scale = float(np.abs(ref).max())
+    out = {
+        "micro_batches": len(batches),
+        "grad_scale": scale,
+        # Sharding reorders the same float32 sums (all-reduces over data/fsdp, split matmuls).
+        "grad_tol": reorder_tolerance(scale, batches),
+        "loss_tol": reorder_tolerance(loss_scale(batches, cfg), batches),
+        "meshes": {},
+    }
     for name, spec in MESHES.items():
         learner = Learner(tiny_model(), cfg, mesh=make_mesh(spec))
         sharded = {str(s.spec) for s in jax.tree.leaves(learner.param_shardings) if any(s.spec)}

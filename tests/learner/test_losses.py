@@ -1,3 +1,10 @@
+"""Policy-gradient losses against textbook formulas on small random inputs.
+
+Bounds are float32 rounding of the few operations involved, relative to the operands' scale:
+a handful of roundings of <= eps/2 each per value, and for an n-term sum the worst case
+(n - 1) * eps/2 of the sum of |terms| (not of the sum itself, which may cancel).
+"""
+
 from __future__ import annotations
 
 import math
@@ -8,6 +15,14 @@ import numpy as np
 import pytest
 
 from harnessrl.learner import losses
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _sum_tol(terms: np.ndarray) -> float:
+    """Worst-case float32 error of a sum of `terms`, each itself a few roundings off: (n+8) eps."""
+    terms = np.abs(np.asarray(terms, np.float64))
+    return (terms.size + 8) * EPS32 * float(terms.sum())
 
 
 def _batch(tokens, mask, behavior, adv, weights):
@@ -27,12 +42,15 @@ def test_token_logprobs_are_aligned_to_the_target_token():
     tokens = rng.integers(0, 7, (2, 5))
     logp, entropy = losses.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens))
     ref = jax.nn.log_softmax(logits, axis=-1)
+    # logp = logit - logsumexp: both sides round values of scale max|logit| + log V.
+    atol = 8 * EPS32 * (np.abs(logits).max() + np.log(7))
     for b in range(2):
         assert logp[b, 0] == 0.0
         for t in range(1, 5):
-            np.testing.assert_allclose(logp[b, t], ref[b, t - 1, tokens[b, t]], rtol=1e-6)
+            np.testing.assert_allclose(logp[b, t], ref[b, t - 1, tokens[b, t]], rtol=0, atol=atol)
             p = np.exp(ref[b, t - 1])
-            np.testing.assert_allclose(entropy[b, t], -(p * ref[b, t - 1]).sum(), rtol=1e-5)
+            want = -(p * ref[b, t - 1]).sum()
+            np.testing.assert_allclose(entropy[b, t], want, rtol=0, atol=atol + _sum_tol(p))
 
 
 def test_token_logprobs_gradients_equal_autodiff_of_the_definitions():
@@ -52,10 +70,15 @@ def test_token_logprobs_gradients_equal_autodiff_of_the_definitions():
         logp, entropy = losses.token_logprobs(logits_btv, tokens)
         return jnp.sum(w_logp * logp) + jnp.sum(w_ent * entropy)
 
-    np.testing.assert_allclose(ours(logits), textbook(logits), rtol=1e-5)
+    # Both are 10 weighted terms per row of values up to max|logit| + log V (logp, entropy).
+    scale = np.abs(np.asarray(logits)).max() + np.log(11)
+    terms = np.abs(np.asarray(w_logp)) * scale + np.abs(np.asarray(w_ent)) * scale
+    np.testing.assert_allclose(ours(logits), textbook(logits), rtol=0, atol=_sum_tol(terms))
     want = jax.grad(textbook)(logits)
     got = jax.grad(ours)(logits)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    # Per element ~20 roundings (exp, an 11-term sum, products) in each implementation, of
+    # values up to the gradient's own scale: 64 ulps of max |grad|.
+    np.testing.assert_allclose(got, want, rtol=0, atol=64 * EPS32 * np.abs(want).max())
     assert np.all(got[:, -1] == 0.0)  # the last position predicts nothing that is trained
 
 
@@ -88,11 +111,14 @@ def test_truncated_importance_sampling_caps_the_gradient_weight():
 
 def test_k3_kl_is_nonnegative_and_zero_at_equality():
     a = jnp.log(jnp.array([0.1, 0.5, 0.9]))
-    np.testing.assert_allclose(losses.k3_kl(a, a), 0.0, atol=1e-7)
+    np.testing.assert_array_equal(losses.k3_kl(a, a), 0.0)  # exp(0) - 0 - 1, exactly
     b = jnp.log(jnp.array([0.3, 0.2, 0.6]))
     kl = losses.k3_kl(a, b)
     assert (kl > 0).all()
-    np.testing.assert_allclose(kl, np.exp(b - a) - (b - a) - 1, rtol=1e-6)
+    d = np.asarray(b - a, np.float64)
+    # exp(d) - d - 1 cancels: the rounding is relative to its terms, not to the small result.
+    atol = 8 * EPS32 * float(np.max(np.exp(d) + np.abs(d) + 1))
+    np.testing.assert_allclose(kl, np.exp(d) - d - 1, rtol=0, atol=atol)
 
 
 def test_loss_is_the_weighted_sum_and_metrics_add_up():
@@ -111,7 +137,8 @@ def test_loss_is_the_weighted_sum_and_metrics_add_up():
     pg, clipped, _, ratio = losses.ppo_clip_tis(
         logp, jnp.asarray(behavior, jnp.float32), jnp.asarray(adv, jnp.float32), 0.2, 0.28, 2.0
     )
-    np.testing.assert_allclose(loss, np.sum(weights * np.where(mask > 0, pg, 0)), rtol=1e-5)
+    terms = weights * np.where(mask > 0, pg, 0)
+    np.testing.assert_allclose(loss, np.sum(terms), rtol=0, atol=_sum_tol(terms))
     assert m["tokens"] == mask.sum()
     np.testing.assert_allclose(m["clip_frac"], np.sum(mask * clipped), rtol=1e-6)
     np.testing.assert_allclose(m["ratio"], np.sum(mask * ratio), rtol=1e-5)
@@ -132,10 +159,17 @@ def test_reference_kl_and_entropy_terms_change_loss_only_when_enabled():
     logp, entropy = losses.token_logprobs(logits, batch["tokens"])
     ref_logp, _ = losses.token_logprobs(ref_logits, batch["tokens"])
     kl = losses.k3_kl(logp, ref_logp)
-    np.testing.assert_allclose(with_kl - base, 0.5 * np.sum(mask / 4 * kl), rtol=1e-5)
+    # Differences of two losses: their terms' rounding, not the small difference, sets the bound.
+    pg_terms = np.ravel(mask / 4 * 2.0)  # |per-token PPO-TIS loss| <= |A| * tis_cap
+    kl_tol = _sum_tol(np.concatenate([pg_terms, pg_terms, np.ravel(0.5 * mask / 4 * kl)]))
+    np.testing.assert_allclose(with_kl - base, 0.5 * np.sum(mask / 4 * kl), rtol=0, atol=kl_tol)
     assert float(m["ref_kl"]) > 0
     with_ent, _ = losses.make_token_loss(0.2, 0.28, 2.0, 0.0, 0.1)(logits, batch, None)
-    np.testing.assert_allclose(base - with_ent, 0.1 * np.sum(mask / 4 * entropy), rtol=1e-5)
+    ent_terms = np.ravel(0.1 * mask / 4 * entropy)
+    ent_tol = _sum_tol(np.concatenate([pg_terms, pg_terms, ent_terms]))
+    np.testing.assert_allclose(
+        base - with_ent, 0.1 * np.sum(mask / 4 * entropy), rtol=0, atol=ent_tol
+    )
 
 
 def test_bad_coefficients_are_rejected_with_their_values():

@@ -3,7 +3,7 @@ from __future__ import annotations
 import socket
 
 import numpy as np
-from tinylearn import flat, random_step, tiny_model
+from tinylearn import EPS32, flat, loss_scale, random_step, reorder_tolerance, tiny_model
 
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
@@ -42,10 +42,17 @@ def test_two_process_global_mesh_step_matches_single_process(run_script, tmp_pat
     _, grads = learner.compute_gradients(batches)
     metrics = learner.train_step(batches)
     got = np.load(out)
-    np.testing.assert_allclose(float(got["loss"]), metrics["loss"], rtol=1e-5)
-    np.testing.assert_allclose(float(got["grad_norm"]), metrics["grad_norm"], rtol=1e-5)
+    # Two processes reorder the same float32 sums (`tinylearn.reorder_tolerance`). The norms of
+    # two gradients differ by at most the norm of their gap, <= sqrt(N) * max gap, plus the
+    # norm's own N-term float32 sum (~sqrt(N) ulps of it, random-walk model).
     ref_grads = flat(grads)
-    assert np.abs(got["grads"] - ref_grads).max() <= 1e-5 * np.abs(ref_grads).max()
+    grad_tol = reorder_tolerance(float(np.abs(ref_grads).max()), batches)
+    loss_tol = reorder_tolerance(loss_scale(batches, LearnerConfig()), batches)
+    assert abs(float(got["loss"]) - metrics["loss"]) <= loss_tol
+    root_n = np.sqrt(ref_grads.size)
+    norm_tol = root_n * (grad_tol + EPS32 * metrics["grad_norm"])
+    assert abs(float(got["grad_norm"]) - metrics["grad_norm"]) <= norm_tol
+    assert np.abs(got["grads"] - ref_grads).max() <= grad_tol
     # Adam's first step is about lr * sign(g): where |g| is near zero, last-bit differences in the
     # cross-process reduction order move a weight by a fraction of lr, never more.
     np.testing.assert_allclose(got["params"], flat(learner.params_state()), atol=1e-2 * lr, rtol=0)

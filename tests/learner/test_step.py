@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tinylearn import flat, random_step, tiny_model
+from tinylearn import flat, loss_scale, random_step, reorder_tolerance, tiny_model
 
 from harnessrl.data.pack import PackedBatch
 from harnessrl.learner import losses
@@ -43,6 +43,8 @@ def test_accumulated_gradient_is_the_policy_gradient_of_the_whole_step():
         for b in batches
     ]
     metrics, grads = learner.compute_gradients(on_policy)
+    # ratio = exp(logp_step - logp_score): two programs over the same forward, so |ratio - 1| is
+    # the logprob reordering gap, ~ sqrt(V)*eps = 1.3e-6 for the vocabulary sum; 1e-5 is 7x that.
     assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == pytest.approx(1.0, abs=1e-5)
     parts = learner.parts
 
@@ -55,18 +57,22 @@ def test_accumulated_gradient_is_the_policy_gradient_of_the_whole_step():
         return total
 
     ref_grads = jax.jit(jax.grad(reference))(jax.device_get(learner.params))
-    np.testing.assert_allclose(flat(grads), flat(ref_grads), atol=1e-6, rtol=1e-4)
+    # The same float32 sums as the learner's, grouped differently (one program per micro-batch,
+    # PPO-TIS at ratio 1 vs the plain policy gradient).
+    tol = reorder_tolerance(float(np.abs(flat(ref_grads)).max()), on_policy)
+    assert np.abs(flat(grads) - flat(ref_grads)).max() <= tol
     # Splitting a step into micro-batches only changes the summation order.
     _, g0 = learner.compute_gradients(on_policy[:1])
     _, g1 = learner.compute_gradients(on_policy[1:])
-    np.testing.assert_allclose(flat(g0) + flat(g1), flat(grads), atol=1e-6)
+    assert np.abs(flat(g0) + flat(g1) - flat(grads)).max() <= tol
 
 
 def test_kl_reference_is_frozen_and_pulls_back():
     learner = Learner(tiny_model(), LearnerConfig(learning_rate=3e-2, kl_coef=1.0))
     batches = random_step(seed=5, count=10, buckets=SMALL)
     first = learner.train_step(batches)
-    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # params == reference at step 0
+    # params == reference at step 0; k3 is second order in the logprob gap (~1e-12 in float32).
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6)
     second = learner.train_step(batches)
     assert second["ref_kl"] > 0.0
     assert learner.ref_params is not None
@@ -115,9 +121,13 @@ def test_bf16_params_compute_and_remat_train_close_to_fp32():
     )
     assert {x.dtype for x in jax.tree.leaves(low.params)} == {jnp.dtype(jnp.bfloat16)}
     m16, g16 = low.compute_gradients(batches)
-    assert m16["loss"] == pytest.approx(m32["loss"], rel=0.05, abs=1e-3)
-    cos = np.dot(flat(g16), flat(g32)) / (np.linalg.norm(flat(g16)) * np.linalg.norm(flat(g32)))
-    assert cos > 0.98
+    # bfloat16 keeps 8 mantissa bits: each rounding of a param or activation errs by <= 2^-9
+    # relative. Each of the L layers adds that to the residual stream, the backward pass walks
+    # the path again (x2), and x2 for the random-walk typical case: relative error 4*L*2^-8. The
+    # loss's terms carry it too, against their own scale (the loss itself is a cancelling sum).
+    rel = 4 * model_cfg.num_layers * 2.0**-8
+    assert abs(m16["loss"] - m32["loss"]) <= rel * loss_scale(batches, LearnerConfig())
+    assert np.linalg.norm(flat(g16) - flat(g32)) <= rel * np.linalg.norm(flat(g32))
 
 
 def test_layer_scan_unroll_is_automatic_on_cpu_and_does_not_change_the_gradient():
@@ -129,8 +139,13 @@ def test_layer_scan_unroll_is_automatic_on_cpu_and_does_not_change_the_gradient(
     assert scanned.parts.merge(scanned.params).cfg.scan_unroll == 1
     m_auto, g_auto = auto.compute_gradients(batches)
     m_scan, g_scan = scanned.compute_gradients(batches)
-    assert m_auto["loss"] == pytest.approx(m_scan["loss"], rel=1e-5)
-    np.testing.assert_allclose(flat(g_auto), flat(g_scan), rtol=1e-4, atol=1e-7)
+    # Unrolling changes only how XLA may fuse and order the same float32 sums.
+    cfg = LearnerConfig()
+    assert abs(m_auto["loss"] - m_scan["loss"]) <= reorder_tolerance(
+        loss_scale(batches, cfg), batches
+    )
+    tol = reorder_tolerance(float(np.abs(flat(g_scan)).max()), batches)
+    assert np.abs(flat(g_auto) - flat(g_scan)).max() <= tol
     for bad in (0, -2, True, 1.5):
         with pytest.raises(ValueError, match="scan_unroll"):
             LearnerConfig(scan_unroll=bad)

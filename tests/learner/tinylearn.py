@@ -6,10 +6,14 @@ kill-and-resume), so every process builds bit-identical models and batches from 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 from flax import nnx
 
 from harnessrl.data.pack import PackedBatch, PackItem, pack_items
+from harnessrl.learner.config import LearnerConfig
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 
@@ -17,6 +21,7 @@ from harnessrl.model.decoder import Decoder
 BUCKETS: tuple[tuple[int, int], ...] = ((8, 32), (8, 64), (8, 128))
 MAX_SEGMENTS = 16
 VOCAB = 128
+EPS32 = float(np.finfo(np.float32).eps)
 
 
 def tiny_model(seed: int = 0) -> Decoder:
@@ -73,3 +78,31 @@ def flat(tree) -> np.ndarray:
     import jax
 
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def reorder_tolerance(scale: float, batches: Sequence[PackedBatch], layers: int = 2) -> float:
+    """Largest gap between two float32 evaluations of one step that differ only in sum order.
+
+    Micro-batch splits, sharded all-reduces, a scanned vs an unrolled layer loop and a second
+    process all reorder the same float32 sums. Random-walk model: an n-term sum errs by
+    ~sqrt(n)*eps relative to its terms' scale; a weight gradient (and the loss) sums over every
+    token slot of the step, n = sum of rows x length; each of the `layers` layers adds its error;
+    two evaluations differ by at most both errors (x2), and the model is typical-case (x2):
+    4*L*sqrt(n)*eps*scale. A real bug (a dropped micro-batch or shard, a missing all-reduce,
+    a wrong weight) moves results by a sizeable fraction of `scale`, not by ulps.
+    """
+    terms = sum(int(np.asarray(b.tokens).size) for b in batches)
+    return 4.0 * layers * math.sqrt(terms) * EPS32 * scale
+
+
+def loss_scale(batches: Sequence[PackedBatch], cfg: LearnerConfig) -> float:
+    """An upper bound on sum |per-token loss|, the scale the loss's rounding is relative to.
+
+    The step loss is a signed sum (advantages of both signs cancel), so its own magnitude is no
+    yardstick. Each PPO-TIS term is -A*r*min(1, cap/r) or -A*clip(r)*min(1, cap/r), at most
+    |w*A|*max(tis_cap, 1 + eps_high) in size (valid with kl_coef = entropy_coef = 0).
+    """
+    if cfg.kl_coef or cfg.entropy_coef or math.isinf(cfg.tis_cap):
+        raise ValueError("loss_scale needs kl_coef=0, entropy_coef=0 and a finite tis_cap")
+    weight = sum(float(np.sum(np.abs(b.token_weights * b.advantages))) for b in batches)
+    return weight * max(cfg.tis_cap, 1.0 + cfg.eps_high)
