@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,12 +16,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from harnessrl.data.pack import PackedBatch, PackItem, pack_items
+from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.step import Learner
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.decode import Engine
 from harnessrl.serve.output import TokenEvent
 from harnessrl.serve.sampling import SamplingParams
+
+# The model tests' float32 bounds (and, for the SmolLM2 tier, their transformers reference).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from reference_bounds import EPS32, logprob_reorder_tolerance, reference_bounds
 
 VOCAB, EOS = 96, 95
 CONFIG = ServeConfig(
@@ -65,8 +75,14 @@ def _forward(graphdef, state, tokens_bt, positions_bt, segments_bt):
     return nnx.merge(graphdef, state)(tokens_bt, positions_bt, segments_bt)
 
 
-def _reference_logprobs(model: Decoder, prompt: list[int], completion: list[int]) -> np.ndarray:
-    """The learner's view: one full forward over prompt + completion (padded), fp32 log_softmax."""
+def _reference_logprobs(
+    model: Decoder, prompt: list[int], completion: list[int]
+) -> tuple[np.ndarray, float]:
+    """One full forward over prompt + completion (padded), fp32 log_softmax; and max |logit|.
+
+    The engine's cached decode and this forward compute the same float32 function with
+    differently shaped sums, so they agree within `logprob_reorder_tolerance` of that scale.
+    """
     ids = prompt + completion
     tokens = np.zeros((1, CONFIG.max_model_len), np.int32)
     tokens[0, : len(ids)] = ids
@@ -75,7 +91,8 @@ def _reference_logprobs(model: Decoder, prompt: list[int], completion: list[int]
     logits = _forward(*nnx.split(model), tokens, positions, segments)
     logprobs = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
     rows = np.arange(len(prompt) - 1, len(ids) - 1)
-    return logprobs[rows, np.asarray(completion)]
+    scale = float(np.abs(np.asarray(logits[0, : len(ids)])).max())
+    return logprobs[rows, np.asarray(completion)], scale
 
 
 def test_served_logprobs_equal_learner_logprobs(served):
@@ -95,17 +112,15 @@ def test_served_logprobs_equal_learner_logprobs(served):
     ]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda c: generate(engine, c[0], c[1], 24), cases))
-    worst = 0.0
     spread = []
     for (prompt, _), got in zip(cases, results, strict=True):
         for events in got.values():
             tokens = [e.token for e in events]
             served_lp = np.array([e.logprob for e in events])
-            worst = max(
-                worst, float(np.max(np.abs(served_lp - _reference_logprobs(model, prompt, tokens))))
-            )
+            reference, scale = _reference_logprobs(model, prompt, tokens)
+            tol = logprob_reorder_tolerance(model.cfg, scale, CONFIG.max_model_len)
+            assert np.max(np.abs(served_lp - reference)) <= tol, (prompt, served_lp - reference)
             spread.extend(served_lp.tolist())
-    assert worst <= 1e-3, worst
     assert np.ptp(spread) > 1.0  # a real distribution, not a uniform one
 
 
@@ -206,8 +221,9 @@ def test_hot_swap_under_load(served):
     after = generate(engine, prompt, SamplingParams(temperature=1.0, seed=3), 12)[0]
     assert {e.version for e in after} == {old_version + 1}
     tokens = [e.token for e in after]
-    reference = _reference_logprobs(new_model, prompt, tokens)
-    assert np.max(np.abs(np.array([e.logprob for e in after]) - reference)) <= 1e-3
+    reference, scale = _reference_logprobs(new_model, prompt, tokens)
+    tol = logprob_reorder_tolerance(new_model.cfg, scale, CONFIG.max_model_len)
+    assert np.max(np.abs(np.array([e.logprob for e in after]) - reference)) <= tol
     assert engine.compile_count == before_compiles
     engine.swap_params(nnx.state(model, nnx.Param), old_version + 2)  # leave the fixture as found
 
@@ -239,39 +255,136 @@ def test_bad_arguments_are_rejected(served):
     assert engine.version != 5
 
 
+def served_and_learner_logprobs(
+    model: Decoder, eos: list[int], config: ServeConfig, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[PackedBatch], list[np.ndarray], float]:
+    """Sample completions from the real engine, pack them as the data layer does, score them.
+
+    Returns the packed micro-batches (behavior_logprobs = the served logprobs), the learner's
+    `score` of each (its own logprob path: the training forward and `losses.token_logprobs`),
+    and the largest |logit| of that forward, the scale the float32 bound is relative to.
+    """
+    from harnessrl.rollout.services import copy_model
+
+    engine = Engine(copy_model(model), eos, config)
+    engine.warm_up()
+    engine.start()
+    try:
+        params = SamplingParams(n=2, temperature=1.0, seed=0)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: generate(engine, p, params, max_tokens), prompts))
+    finally:
+        engine.stop()
+    items = []
+    for prompt, got in zip(prompts, results, strict=True):
+        for events in got.values():
+            n, m = len(prompt), len(events)
+            items.append(
+                PackItem(
+                    tokens=np.asarray(prompt + [e.token for e in events], np.int32),
+                    loss_mask=np.arange(n + m) >= n,
+                    logprobs=np.asarray([0.0] * n + [e.logprob for e in events], np.float32),
+                    weights=np.ones(n + m, np.float32),
+                    advantage=1.0,
+                )
+            )
+    batches = pack_items(items, ((4, 2 * config.max_model_len),), 8).batches
+    learner = Learner(copy_model(model), LearnerConfig())
+    scores = [learner.score(b) for b in batches]
+    forward = jax.jit(
+        lambda p, b: learner.parts.merge(p)(b["tokens"], b["positions"], b["segment_ids"])
+    )
+    scale = max(
+        float(np.abs(np.asarray(forward(learner.params, b.as_dict()))).max()) for b in batches
+    )
+    return batches, scores, scale
+
+
+def test_smoke_model_served_logprobs_equal_learner_logprobs():
+    """The smoke run's policy, served by the real engine, scored by the learner on packed rows.
+
+    What the loop's importance ratio sees: any gap beyond float32 reordering (a stale cache
+    entry, a position off by one, a segment leaking into its neighbour) would bias every update.
+    """
+    from harnessrl.rollout.services import load_policy
+
+    try:
+        model, tokenizer = load_policy("tiny")
+    except ValueError as err:
+        pytest.skip(f"needs the shipped SmolLM2 tokenizer: {err}")
+    config = ServeConfig(
+        num_slots=4, max_model_len=64, prefill_buckets=(16, 64), decode_buckets=(64,)
+    )
+    questions = ["What is 7 + 5?", "Name a colour.", "Say hi.", "Count to three."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    batches, scores, scale = served_and_learner_logprobs(
+        model, tokenizer.eos_token_ids, config, prompts, 16
+    )
+    tol = logprob_reorder_tolerance(model.cfg, scale, 2 * config.max_model_len)
+    served = np.concatenate([b.behavior_logprobs[b.loss_mask > 0] for b in batches])
+    learned = np.concatenate([s[b.loss_mask > 0] for b, s in zip(batches, scores, strict=True)])
+    assert served.size >= 8, "too few sampled tokens to compare"
+    assert np.max(np.abs(served - learned)) <= tol, (np.max(np.abs(served - learned)), tol)
+    # Not vacuous: the sampled tokens' logprobs spread far wider than the bound.
+    assert np.ptp(served) > 100 * tol, (np.ptp(served), tol)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("HARNESSRL_SLOW"),
     reason="SmolLM2 consistency: set HARNESSRL_SLOW=1 (minutes)",
 )
 def test_smollm2_served_logprobs_equal_learner_logprobs():
+    """SmolLM2 served vs the learner, bounded by transformers' own float32 error on the same ids.
+
+    SmolLM2's float32 logits err by ~1e-4 (its residual stream reaches ~2.5e4), far above a
+    reordering model of the logits' scale. The served and the learner's logits are each within
+    the parity bound of the exact (float64) logits, so they differ by at most twice it; a logprob
+    moves by the logit's error plus the logsumexp's, twice that again, plus the vocabulary sum's
+    rounding in each evaluation.
+    """
+    import torch
+    from torch_reference import torch_causal_lm
+
     from harnessrl.model.load import load_model
 
     loaded = load_model("smollm2")
     config = ServeConfig(
         num_slots=2, max_model_len=96, prefill_buckets=(16, 64), decode_buckets=(96,)
     )
-    engine = Engine(loaded.model, loaded.tokenizer.eos_token_ids, config)
-    engine.warm_up()
-    engine.start()
-    try:
-        prompt = loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "What is 11+5?"}]
-        )
-        got = generate(engine, prompt, SamplingParams(n=2, temperature=1.0, seed=0), 24)
-    finally:
-        engine.stop()
-    for events in got.values():
-        tokens = [e.token for e in events]
-        ids = prompt + tokens
-        padded = np.zeros((1, 96), np.int32)
-        padded[0, : len(ids)] = ids
-        segments = (np.arange(96) < len(ids)).astype(np.int32)[None]
-        logits = _forward(
-            *nnx.split(loaded.model), padded, np.arange(96, dtype=np.int32)[None], segments
-        )
-        reference = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))[
-            np.arange(len(prompt) - 1, len(ids) - 1), tokens
-        ]
-        served = np.array([e.logprob for e in events])
-        assert np.max(np.abs(served - reference)) <= 1e-3, np.max(np.abs(served - reference))
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 11+5?"}])
+    batches, scores, _ = served_and_learner_logprobs(
+        loaded.model, loaded.tokenizer.eos_token_ids, config, [prompt], 24
+    )
+    hf_config, tensors = loaded.config.to_hf_config(), _hf_tensors(loaded)
+    ref32 = torch_causal_lm(hf_config, tensors)
+    ref64 = torch_causal_lm(hf_config, tensors).double()
+    worst_bound = 0.0
+    for batch in batches:
+        for row, segment in _segments(batch):
+            ids = torch.tensor([batch.tokens[row, segment].tolist()])
+            with torch.no_grad():
+                logits32, logits64 = ref32(ids).logits.numpy(), ref64(ids).logits.numpy()
+            worst_bound = max(worst_bound, reference_bounds(logits32, logits64)[1])
+    tol = 4 * worst_bound + 2 * np.sqrt(loaded.config.vocab_size) * EPS32
+    for batch, score in zip(batches, scores, strict=True):
+        mask = batch.loss_mask > 0
+        gap = np.max(np.abs(score[mask] - batch.behavior_logprobs[mask]))
+        assert gap <= tol, (gap, tol)
+
+
+def _hf_tensors(loaded: Any) -> dict[str, np.ndarray]:
+    from harnessrl.model.export import params_numpy
+    from harnessrl.model.hf_import import hf_from_params
+
+    return hf_from_params(loaded.config, params_numpy(loaded.model))
+
+
+def _segments(batch: PackedBatch) -> list[tuple[int, np.ndarray]]:
+    """(row, column mask) of every packed sequence in a micro-batch."""
+    return [
+        (row, batch.segment_ids[row] == seg)
+        for row in range(batch.tokens.shape[0])
+        for seg in np.unique(batch.segment_ids[row])
+        if seg > 0
+    ]
