@@ -154,6 +154,7 @@ async def read_body(
                 raise BodyTooLarge(f"request body over the {limit}-byte limit")
     body = bytearray()  # grows in place: no second copy of a large body when it is complete
     size = taken = 0  # bytes read; bytes taken from the budget
+    more = True  # the client has more of the body to send
     try:
         if budget is not None and declared:
             budget.take(declared)
@@ -164,18 +165,19 @@ async def read_body(
                 raise BadRequest("client went away before sending the body")
             chunk = message.get("body", b"")
             size += len(chunk)
+            more = message.get("more_body", False)
             if size > limit:
                 raise BodyTooLarge(f"request body over the {limit}-byte limit")
             if budget is not None and size > taken:
                 budget.take(size - taken)
                 taken = size
             body += chunk
-            if not message.get("more_body", False):
+            if not more:
                 break
     except BaseException as err:
         if budget is not None:
             budget.give(taken)
-        if isinstance(err, Unavailable):
+        if isinstance(err, Unavailable) and more:
             del body
             await _drop_body(receive, limit - size)
         raise

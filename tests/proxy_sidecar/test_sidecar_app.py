@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -13,6 +14,10 @@ import orjson
 import pytest
 
 from harnessrl.traces.schema import RolloutRecord
+from proxy_sidecar.budget import BodyBudget
+from proxy_sidecar.control import read_body
+from proxy_sidecar.errors import Unavailable
+from proxy_sidecar.metrics import Metrics
 
 CHAT = {
     "model": "smol",
@@ -66,8 +71,12 @@ def test_buffered_bodies_share_one_budget_and_past_it_get_503_retry_after(
 ) -> None:
     fake[0].delay_s = 1.5  # admitted calls stay in flight, holding their bodies
     sc = make_sidecar((fake[1].url,), max_body_bytes=40_000, max_buffered_bytes=100_000)
-    big = [
-        {**CHAT, "messages": [{"role": "user", "content": f"{k} " + "x" * 30_000}]}
+    big = [  # ~30 kB bodies (the padding is not part of the prompt)
+        {
+            **CHAT,
+            "messages": [{"role": "user", "content": f"{k}"}],
+            "metadata": {"pad": "x" * 30_000},
+        }
         for k in range(4)
     ]
     got: dict[int, httpx.Response] = {}
@@ -106,6 +115,25 @@ def test_buffered_bodies_share_one_budget_and_past_it_get_503_retry_after(
     r = httpx.post(sc.base("buf3") + "/chat/completions", json=big[3], timeout=30)
     assert r.status_code == 200  # room again once the others finished
     assert [sc.store.count_calls(f"buf{k}") for k in range(4)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("pieces", [[b"a" * 60, b"b" * 60], [b"a" * 60, b"b" * 60, b"c" * 60]])
+def test_a_refused_body_is_read_to_its_end_and_no_further(pieces: list[bytes]) -> None:
+    """Past the budget the rest of the body is dropped, so the client can read its 503; a
+    refusal on the body's last piece must not wait for more (the client would wait forever)."""
+    messages = [
+        {"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+        for i, p in enumerate(pieces)
+    ]
+
+    async def receive() -> dict[str, Any]:
+        assert messages, "read past the end of the body"
+        return messages.pop(0)
+
+    budget = BodyBudget(100, Metrics())
+    with pytest.raises(Unavailable):
+        asyncio.run(read_body({"headers": []}, receive, 1000, budget))
+    assert messages == [] and budget.held == 0
 
 
 def nested(depth: int) -> Any:

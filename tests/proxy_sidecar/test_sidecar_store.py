@@ -137,7 +137,7 @@ def test_its_own_sqlite_store_checkpoints_on_a_helper_thread(
     with ServerThread(build_app(config)) as sc:
         start = os.path.getsize(db)
         for i in range(20):
-            body = chat(f"{i} " + "x" * 4000)
+            body = {**chat(f"{i}"), "metadata": {"pad": "x" * 4000}}  # stored with the call
             assert httpx.post(sc.url + "/v1/chat/completions", json=body).status_code == 200
         assert os.path.getsize(str(db) + "-wal") > 20 * 4000  # the calls went to the WAL first
         wait_until(lambda: os.path.getsize(db) > start + 20 * 4000, timeout_s=20)
