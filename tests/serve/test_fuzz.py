@@ -150,7 +150,7 @@ def test_fuzzed_requests_never_get_a_5xx_nor_hang(server):
     client = httpx.Client(base_url=server.url, timeout=60)  # a hang fails as a timeout
     compiles = server.engine.compile_count
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
     @given(path=st.sampled_from(PATHS), body=bodies)
     def one(path: str, body: bytes) -> None:
         with client.stream("POST", path, content=body) as r:
