@@ -172,7 +172,10 @@ def follow_leader(cfg: TrainConfig) -> int:
 def start_serving(cfg: TrainConfig, model: Any, tokenizer: Any, out: Path) -> Serving:
     r = cfg.rollout
     if r.servers:
-        return remote_serving(r.servers, r.weight_sync, (out / "weights").absolute(), tokenizer)
+        export_root = (out / "weights").absolute()
+        return remote_serving(
+            r.servers, r.weight_sync, export_root, tokenizer, cfg.serve.admin_token
+        )
     return EmbeddedServing(start_server(copy_model(model), tokenizer, cfg.serve))
 
 

@@ -75,13 +75,16 @@ class RemoteServing:
         pass
 
 
-def remote_serving(urls: str, weight_sync: str, export_root: Path, tokenizer: Any) -> RemoteServing:
-    """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1) or embedded."""
+def remote_serving(
+    urls: str, weight_sync: str, export_root: Path, tokenizer: Any, admin_token: str = ""
+) -> RemoteServing:
+    """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1) or embedded (whose
+    `/admin/load_weights` takes `admin_token`, the servers' `--admin-token`)."""
     sync: WeightSync
     if weight_sync == "vllm":
         sync = VLLMSync(VLLMSyncConfig(urls=tuple(urls.split(","))))
     elif weight_sync == "embedded":
-        sync = EmbeddedSync(urls=urls)
+        sync = EmbeddedSync(urls=urls, admin_token=admin_token or None)
     else:
         raise ValueError(f"rollout.weight_sync must be vllm or embedded, got {weight_sync!r}")
     return RemoteServing(urls, sync, export_root, tokenizer)

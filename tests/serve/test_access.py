@@ -14,6 +14,7 @@ from flax import nnx
 
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.export import export_hf
+from harnessrl.rollout.fleet import remote_serving
 from harnessrl.rollout.weight_sync import EmbeddedSync, WeightSyncError
 from harnessrl.serve.__main__ import parse_args
 from harnessrl.serve.config import ServeConfig, is_loopback
@@ -76,6 +77,18 @@ def test_embedded_sync_sends_the_token_and_swaps(bounded_server, exports):
     assert v1 == str(int(v0) + 1) and after != before
     sync.push(served, int(v0) + 2)  # back to the weights the other tests were written against
     assert _greedy(bounded_server) == (before, str(int(v0) + 2))
+
+
+def test_the_loops_remote_serving_sends_the_configured_token(bounded_server, exports, tmp_path):
+    """`rollout.servers` + `weight_sync=embedded`: the loop's pushes carry `serve.admin_token`."""
+    served, other = exports
+    version = bounded_server.engine.version
+    without = remote_serving(bounded_server.url, "embedded", tmp_path, tokenizer=None)
+    with pytest.raises(WeightSyncError, match="401"):
+        without.sync.push(other, version + 1)
+    serving = remote_serving(bounded_server.url, "embedded", tmp_path, None, ADMIN_TOKEN)
+    serving.sync.push(served, version + 1)
+    assert bounded_server.engine.version == version + 1
 
 
 def test_an_authorized_bad_load_is_400_and_the_weights_stay(bounded_server, tmp_path):
