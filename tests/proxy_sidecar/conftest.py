@@ -1,4 +1,5 @@
-"""Fixtures: a fake vLLM upstream and an in-process sidecar in front of it, both on real ports."""
+"""Fixtures: the upstreams (a fake vLLM for fault injection, the real embedded server with a tiny
+random model) and in-process sidecars in front of them, all on real ports."""
 
 from __future__ import annotations
 
@@ -50,6 +51,44 @@ def fake(_fake_server: tuple[FakeVLLM, ServerThread]) -> tuple[FakeVLLM, ServerT
     upstream.seen = []
     upstream.honor_token_ids = True
     return _fake_server
+
+
+@pytest.fixture(scope="session")
+def embedded() -> Iterator[str]:
+    """The embedded server `harnessrl.serve`, as `python -m harnessrl.train --smoke` runs it: a
+    tiny random model around SmolLM2's tokenizer. Its own limits stay at their defaults except
+    tokens per request, kept small so that a fuzzed request cannot decode for long."""
+    from harnessrl.model.load import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ValueError as err:
+        pytest.skip(f"needs the shipped SmolLM2 model (its tokenizer): {err}")
+    from harnessrl.rollout.services import load_policy
+    from harnessrl.serve.app import start_server
+    from harnessrl.serve.config import ServeConfig
+
+    model, tokenizer = load_policy("tiny", seed=0)
+    config = ServeConfig(
+        model="smol",
+        port=0,
+        num_slots=4,
+        max_model_len=512,
+        prefill_buckets=(64,),
+        decode_buckets=(512,),
+        max_request_tokens=2048,
+    )
+    handle = start_server(model, tokenizer, config)
+    yield handle.url
+    handle.stop()
+
+
+@pytest.fixture(params=["fake", "embedded"])
+def upstream_url(request: pytest.FixtureRequest, fake: tuple[FakeVLLM, ServerThread]) -> str:
+    """Each upstream in turn: the fake vLLM, then the real embedded server."""
+    if request.param == "fake":
+        return fake[1].url
+    return str(request.getfixturevalue("embedded"))
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Property-based fuzzing of bodies, headers and paths: the sidecar never answers 5xx itself and
-never dies. (A 5xx that the upstream produced is passed through and carries its marker header.)"""
+"""Property-based fuzzing of bodies, headers and paths, through the sidecar to the fake vLLM and to
+the real embedded server: no 5xx from the sidecar (nor from the real server), no hang, no death.
+(A 5xx that the fake produced is passed through and carries its marker header.)"""
 
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ FIELDS = [
     "tools",
     "stream_options",
     "seed",
+    "top_k",
+    "top_p",
+    "temperature",
+    "top_logprobs",
+    "stop",
+    "max_completion_tokens",
     "version",
     "reward",
     "state",
@@ -100,7 +107,12 @@ queries = st.one_of(st.just(""), st.binary(max_size=20).map(lambda b: "?" + quot
 headers = st.dictionaries(header_names, header_values, max_size=4)
 
 
-def test_fuzzed_requests_never_get_a_sidecar_5xx(sidecar: Any) -> None:
+def test_fuzzed_requests_never_get_a_5xx(upstream_url: str, make_sidecar: Any) -> None:
+    """Against the fake, a 5xx the fake itself produced passes through (marked); against the real
+    embedded server nothing may answer 5xx, nothing may hang (30 s per request), and both still
+    serve a normal call afterwards."""
+    sidecar = make_sidecar((upstream_url,))
+    fake = "x-fake-upstream"
     client = httpx.Client(base_url=sidecar.url, timeout=30)
 
     @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -113,16 +125,79 @@ def test_fuzzed_requests_never_get_a_sidecar_5xx(sidecar: Any) -> None:
     )
     def one(method: str, path: str, query: str, body: bytes, hdrs: dict[str, bytes]) -> None:
         r = client.request(method, path + query, content=body, headers=hdrs)
-        assert r.status_code < 500 or r.headers.get("x-fake-upstream") == "1", (
-            r.status_code,
-            r.text[:300],
-        )
-        if r.status_code >= 400 and method != "HEAD" and "x-fake-upstream" not in r.headers:
-            assert "error" in r.json()
+        assert r.status_code < 500 or r.headers.get(fake) == "1", (r.status_code, r.text[:300])
+        if r.status_code >= 400 and method != "HEAD" and fake not in r.headers:
+            assert "error" in r.json()  # the sidecar's own errors and the server's: one shape
         if sidecar.state.paused:  # a fuzzed /control/pause must not stall the next example
             assert client.post("/control/resume").status_code == 200
 
     one()
     assert client.get("/health").status_code == 200
+    assert sidecar.state.in_flight == 0
+    client.post("/control/mode", json={"mode": "train"})
+    normal = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/rollouts/after-fuzz/v1/chat/completions", json=normal).status_code == 200
+    (rec,) = sidecar.store.calls("after-fuzz")
+    assert rec.ok, rec.error
+    client.close()
+
+
+extreme_ints = st.sampled_from([0, -1, 1, 2, 64, 65, 2**31 - 1, 2**31, 2**63, -(2**63), 10**9])
+generation = st.fixed_dictionaries(
+    {
+        "model": st.just("smol"),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text()}
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        "max_tokens": st.one_of(st.integers(1, 6), extreme_ints, st.none()),
+    },
+    optional={
+        "n": st.one_of(st.integers(1, 3), extreme_ints, json_values),
+        "top_k": st.one_of(extreme_ints, json_values),
+        "top_p": st.one_of(st.floats(allow_nan=False), json_values),
+        "temperature": st.one_of(st.floats(0, 3), st.floats(allow_nan=False), json_values),
+        "seed": st.one_of(extreme_ints, st.integers(), json_values),
+        "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=5)),
+        "stream": st.one_of(st.booleans(), json_values),
+        "stream_options": st.one_of(st.just({"include_usage": True}), json_values),
+        "logprobs": st.one_of(st.booleans(), extreme_ints, json_values),
+        "top_logprobs": st.one_of(extreme_ints, json_values),
+    },
+)
+
+
+def test_fuzzed_generation_requests_are_served_or_refused_and_always_recorded(
+    upstream_url: str, make_sidecar: Any
+) -> None:
+    """Well-formed JSON objects with extreme and ill-typed sampling fields, posted for generation:
+    each one reaches the upstream, gets an answer (never a 5xx from the real server, never a
+    hang) and is recorded once; a 200's stored token ids are the ones the client got."""
+    sidecar = make_sidecar((upstream_url,))
+    client = httpx.Client(base_url=sidecar.url, timeout=30)
+    sent = 0
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(request=generation, chat=st.booleans())
+    def one(request: dict[str, Any], chat: bool) -> None:
+        nonlocal sent
+        if not chat:
+            request = {**request, "prompt": request.pop("messages")[0]["content"]}
+        path = "/rollouts/gen/v1/" + ("chat/completions" if chat else "completions")
+        r = client.post(path, content=orjson.dumps(request))
+        sent += 1
+        assert r.status_code < 500 or r.headers.get("x-fake-upstream") == "1", r.text[:300]
+        calls = sidecar.store.calls("gen")
+        assert len(calls) == sent  # every call recorded, once, whatever its answer
+        if r.status_code == 200 and "text/event-stream" not in r.headers["content-type"]:
+            got = [c["token_ids"] for c in r.json()["choices"]]
+            assert [list(c.token_ids) for c in calls[-1].choices] == got
+
+    one()
+    normal = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/rollouts/gen/v1/chat/completions", json=normal).status_code == 200
     assert sidecar.state.in_flight == 0
     client.close()

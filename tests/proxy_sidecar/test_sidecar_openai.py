@@ -1,5 +1,6 @@
 """Acceptance: unmodified harness code on the official `openai` SDK runs through the sidecar, and
-every call is stored with exactly the prompt ids, completion ids and logprobs the upstream sent."""
+every call is stored with exactly the prompt ids, completion ids and logprobs the upstream sent;
+against the fake vLLM and against the real embedded server."""
 
 from __future__ import annotations
 
@@ -50,16 +51,20 @@ def assert_matches_stream(rec: CallRecord, chunks: list[Any]) -> None:
         assert got.finish_reason == [c.finish_reason for c in parts if c.finish_reason][-1]
 
 
-def test_sync_sdk_chat_stream_tools_n2_and_completions(sidecar: Any) -> None:
+def test_sync_sdk_chat_stream_n2_and_completions(upstream_url: str, make_sidecar: Any) -> None:
+    sidecar = make_sidecar((upstream_url,))
     client = openai.OpenAI(base_url=sidecar.base("sync"), api_key="sk-harness", max_retries=0)
     plain = client.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=6)
-    tools = client.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, n=2)
+    tools = client.chat.completions.create(
+        model="smol", messages=MESSAGES, tools=TOOLS, n=2, max_tokens=6
+    )
     stream = list(
         client.chat.completions.create(
             model="smol",
             messages=MESSAGES,
             tools=TOOLS,
             n=2,
+            max_tokens=6,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -69,11 +74,8 @@ def test_sync_sdk_chat_stream_tools_n2_and_completions(sidecar: Any) -> None:
     assert [c.seq for c in calls] == [0, 1, 2, 3]
     assert_matches_response(calls[0], plain)
     assert_matches_response(calls[1], tools)
-    assert tools.choices[0].message.tool_calls[0].function.name == "add"
-    assert tools.choices[0].finish_reason == "tool_calls" and len(tools.choices) == 2
+    assert len(tools.choices) == 2 and len(calls[2].choices) == 2
     assert_matches_stream(calls[2], stream)
-    assembled = calls[2].response["choices"][0]["message"]["tool_calls"][0]["function"]
-    assert json.loads(assembled["arguments"]) == {"a": 2, "b": 3}
     assert list(calls[3].choices[0].token_ids) == comp.choices[0].token_ids
     assert list(calls[3].choices[0].logprobs) == comp.choices[0].logprobs.token_logprobs
     assert list(calls[3].prompt_token_ids) == comp.choices[0].prompt_token_ids
@@ -82,15 +84,50 @@ def test_sync_sdk_chat_stream_tools_n2_and_completions(sidecar: Any) -> None:
     assert calls[3].request["logprobs"] == 1
 
 
-def test_async_sdk_concurrent_rollouts(sidecar: Any) -> None:
+def test_embedded_server_reports_the_policy_version_it_served(
+    embedded: str, make_sidecar: Any
+) -> None:
+    sidecar = make_sidecar((embedded,), policy_version=7)
+    client = openai.OpenAI(base_url=sidecar.base("pv"), api_key="x", max_retries=0)
+    client.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=2)
+    list(client.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=2, stream=True))
+    # The server's header names the weights that answered; it wins over the control API's 7.
+    assert [c.policy_version for c in sidecar.store.calls("pv")] == [0, 0]
+
+
+def test_tool_calls_are_captured_whole(sidecar: Any) -> None:
+    """The fake answers with tool calls (a tiny random model would not): the streamed call's
+    arguments are assembled from their fragments."""
+    client = openai.OpenAI(base_url=sidecar.base("tools"), api_key="x", max_retries=0)
+    tools = client.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, n=2)
+    assert tools.choices[0].message.tool_calls[0].function.name == "add"
+    assert tools.choices[0].finish_reason == "tool_calls" and len(tools.choices) == 2
+    stream = list(
+        client.chat.completions.create(
+            model="smol", messages=MESSAGES, tools=TOOLS, n=2, stream=True
+        )
+    )
+    calls = sidecar.store.calls("tools")
+    assert_matches_response(calls[0], tools)
+    assert_matches_stream(calls[1], stream)
+    assembled = calls[1].response["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert json.loads(assembled["arguments"]) == {"a": 2, "b": 3}
+
+
+def test_async_sdk_concurrent_rollouts(upstream_url: str, make_sidecar: Any) -> None:
+    sidecar = make_sidecar((upstream_url,))
+
     async def harness(k: int) -> list[Any]:
         client = openai.AsyncOpenAI(base_url=sidecar.base(f"async-{k}"), api_key="x", max_retries=0)
-        first = await client.chat.completions.create(model="smol", messages=MESSAGES, n=2)
+        first = await client.chat.completions.create(
+            model="smol", messages=MESSAGES, n=2, max_tokens=4
+        )
         chunks = [
             c
             async for c in await client.chat.completions.create(
                 model="smol",
                 messages=[*MESSAGES, {"role": "assistant", "content": "ok"}],
+                max_tokens=4,
                 stream=True,
             )
         ]
@@ -108,10 +145,10 @@ def test_async_sdk_concurrent_rollouts(sidecar: Any) -> None:
         assert_matches_stream(calls[1], chunks)
 
 
-def test_plain_v1_uses_default_rollout(fake: Any, make_sidecar: Any) -> None:
-    sc = make_sidecar((fake[1].url,), default_rollout="pod-7")
+def test_plain_v1_uses_default_rollout(upstream_url: str, make_sidecar: Any) -> None:
+    sc = make_sidecar((upstream_url,), default_rollout="pod-7")
     client = openai.OpenAI(base_url=sc.url + "/v1", api_key="x", max_retries=0)
-    client.chat.completions.create(model="smol", messages=MESSAGES)
+    client.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=2)
     assert [m.id for m in client.models.list()] == ["smol"]
     assert sc.store.count_calls("pod-7") == 1
 
