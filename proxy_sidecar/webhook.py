@@ -191,7 +191,7 @@ def review_response(review: Any, spec: SidecarSpec) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
     pod = request.get("object")
     is_pod = (request.get("kind") or {}).get("kind") == "Pod" and not request.get("subResource")
-    if is_pod and request.get("operation") == "CREATE" and owns(pod):
+    if is_pod and request.get("operation") == "CREATE" and isinstance(pod, dict) and owns(pod):
         try:
             ops = build_patch(pod, spec)
         except ValueError as err:
