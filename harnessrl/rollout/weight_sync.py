@@ -113,7 +113,9 @@ class VLLMSyncConfig:
     pause_mode: str = "wait"  # vLLM's /pause: "wait" drains in-flight requests, "abort" drops them
     # Shared storage mounted elsewhere on the servers: (prefix on the learner, prefix on servers).
     path_map: tuple[str, str] | None = None
-    api_key: str | None = None  # vLLM's --api-key, if set
+    # Sent as a bearer token. vLLM's own --api-key guards only /v1/*, not these endpoints (0.32):
+    # it matters behind a proxy that checks it.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", _urls(self.urls, "VLLMSyncConfig"))
@@ -198,9 +200,9 @@ class VLLMSync:
         try:
             try:
                 r = self._client.post(url + path, **kw)
-            except httpx.RemoteProtocolError:
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
                 # After a 500 whose handler raised (a failed reload), vLLM's uvicorn closes the
-                # connection; a request already sent on it is dropped unread. Once, anew.
+                # connection; a request already sent on it is reset unread. Once more, anew.
                 r = self._client.post(url + path, **kw)
         except httpx.HTTPError as err:
             raise WeightSyncError(f"{url}{path} failed: {err}") from err
