@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from harnessrl.rollout.weight_sync import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests/fixtures/vllm"))
+from recorded_vllm import FIXTURE, RecordedVLLM, recorded_rows  # noqa: E402
 
 
 def export_dir(tmp_path: Path, name: str = "export") -> Path:
@@ -36,102 +39,146 @@ def export_dir(tmp_path: Path, name: str = "export") -> Path:
     return d
 
 
-class FakeVLLM:
-    """Records what VLLMSync sends; answers like vLLM 0.32 in dev mode (or as told)."""
-
-    def __init__(self, fail: dict[str, int] | None = None) -> None:
-        self.calls: list[tuple[str, str, Any]] = []
-        self.fail = fail or {}
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        body = json.loads(request.content) if request.content else None
-        self.calls.append(
-            (
-                request.url.host,
-                path + ("?" + request.url.query.decode() if request.url.query else ""),
-                body,
-            )
-        )
-        if path in self.fail:
-            return httpx.Response(self.fail[path], json={"error": "boom"})
-        if path == "/collective_rpc":
-            return httpx.Response(200, json={"results": [None]})
-        return httpx.Response(200, json={"status": "ok"})
+A, B, WRONG = "smollm2-a", "smollm2-b-layer3x4", "wrong-shapes"  # the recording's folder names
+PUSH = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+        "/resume"]  # fmt: skip
 
 
-def test_vllm_sync_pauses_reloads_resets_versions_and_resumes(tmp_path: Path) -> None:
-    d = export_dir(tmp_path)
-    fake = FakeVLLM()
+def replayed(case: str, tmp_path: Path, **kw: Any) -> tuple[RecordedVLLM, httpx.Client]:
+    """Export folders named as in the recording, and real vLLM's answers to `case`."""
+    for name in (A, B, WRONG):
+        if not (tmp_path / name).is_dir():
+            export_dir(tmp_path, name)
+    fake = RecordedVLLM(case, tmp_path, **kw)
+    return fake, httpx.Client(transport=httpx.MockTransport(fake))
+
+
+def paths(fake: RecordedVLLM, host: str) -> list[str]:
+    return [p for _, p, _ in fake.sent[host]]
+
+
+def test_vllm_sync_sends_what_real_vllm_took_on_every_server(tmp_path: Path) -> None:
+    fake, client = replayed("push", tmp_path)
     cfg = VLLMSyncConfig(urls=("http://vllm-0:8000", "http://vllm-1:8000/"))
-    VLLMSync(cfg, client=httpx.Client(transport=httpx.MockTransport(fake))).push(d, 7)
+    sync = VLLMSync(cfg, client=client)
+    sync.push(tmp_path / B, 1)
+    sync.push(tmp_path / A, 2)
     for host in ("vllm-0", "vllm-1"):
-        calls = [(p, b) for h, p, b in fake.calls if h == host]
-        assert calls == [
-            ("/pause?mode=wait", None),
-            (
-                "/collective_rpc",
-                {
-                    "method": "reload_weights",
-                    "kwargs": {"weights_path": str(d.resolve())},
-                    "timeout": 600.0,
-                },
-            ),
-            ("/reset_prefix_cache", None),
-            ("/update_weight_version", {"new_version": "7"}),
-            ("/resume", None),
-        ]
+        assert client.get(f"http://{host}:8000/weight_info").json() == {"weight_version": "2"}
+        assert paths(fake, host) == [*PUSH, *PUSH, "/weight_info"]
+        assert fake.finished(host)  # every recorded exchange, each body equal to the real one
+
+
+@pytest.mark.parametrize(
+    ("case", "mode", "folder", "version"),
+    [("push_abort", "abort", B, 3), ("push_keep", "keep", A, 4)],
+)
+def test_vllm_sync_pause_modes_match_real_vllm(
+    tmp_path: Path, case: str, mode: str, folder: str, version: int
+) -> None:
+    fake, client = replayed(case, tmp_path)
+    VLLMSync(VLLMSyncConfig(urls=("http://v:8000",), pause_mode=mode), client=client).push(
+        tmp_path / folder, version
+    )
+    assert fake.sent["v"][0][1] == f"/pause?mode={mode}" and fake.finished("v")
+
+
+def test_path_map_translates_shared_storage_mounts(tmp_path: Path) -> None:
+    fake, client = replayed("path_map", tmp_path, mount="/mnt/shared")
+    cfg = VLLMSyncConfig(urls=("http://v:8000",), path_map=(str(tmp_path.resolve()), "/mnt/shared"))
+    VLLMSync(cfg, client=client).push(tmp_path / B, 5)
+    assert fake.sent["v"][1][2]["kwargs"]["weights_path"] == f"/mnt/shared/{B}"
+    assert client.get("http://v:8000/weight_info").json() == {"weight_version": "5"}
+    assert fake.finished("v")
 
 
 def test_vllm_sync_resumes_after_a_failed_reload(tmp_path: Path) -> None:
-    fake = FakeVLLM(fail={"/collective_rpc": 500})
-    sync = VLLMSync(
-        VLLMSyncConfig(urls=("http://v:8000",)),
-        client=httpx.Client(transport=httpx.MockTransport(fake)),
-    )
-    with pytest.raises(WeightSyncError, match="500"):
-        sync.push(export_dir(tmp_path), 1)
-    assert [p for _, p, _ in fake.calls] == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+    # Real vLLM: a wrong-shaped export fails the worker (500), vLLM closes that connection, and
+    # the /resume already sent on it is reset; the retry gets through.
+    fake, client = replayed("wrong_shapes", tmp_path)
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
+    with pytest.raises(WeightSyncError, match=r"collective_rpc answered 500.*restart it") as err:
+        sync.push(tmp_path / WRONG, 6)
+    assert "/resume" not in str(err.value)  # the resume went through: only the cause is reported
+    assert paths(fake, "v")[:3] == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+    assert fake.finished("v")
+
+
+def test_a_lost_resume_does_not_hide_the_failed_reload(tmp_path: Path) -> None:
+    gone = [httpx.ConnectError("connection refused"), httpx.ConnectError("connection refused")]
+    _, client = replayed("wrong_shapes", tmp_path, inject={"/resume": gone})
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
+    with pytest.raises(WeightSyncError, match=r"answered 500.*; then .*/resume failed: conn"):
+        sync.push(tmp_path / WRONG, 6)
+
+
+def test_a_dropped_connection_is_retried_once(tmp_path: Path) -> None:
+    reset = [httpx.ReadError("Connection reset by peer")]
+    fake, client = replayed("push", tmp_path, inject={"/reset_prefix_cache": reset})
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
+    sync.push(tmp_path / B, 1)
+    assert paths(fake, "v") == [*PUSH[:3], *PUSH[2:]]
+    twice = [httpx.ReadError("reset"), httpx.RemoteProtocolError("Server disconnected")]
+    fake, client = replayed("push", tmp_path, inject={"/reset_prefix_cache": twice})
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
+    with pytest.raises(WeightSyncError, match="reset_prefix_cache failed: Server disconnected"):
+        sync.push(tmp_path / B, 1)
+    assert paths(fake, "v")[-1] == "/resume"
+
+
+def test_a_prefix_cache_that_was_not_reset_fails_the_push(tmp_path: Path) -> None:
+    # vLLM answers {"success": false} while KV blocks are held; new requests would then reuse KV
+    # computed with the old weights.
+    kept = [httpx.Response(200, json={"success": False})]
+    fake, client = replayed("push", tmp_path, inject={"/reset_prefix_cache": kept})
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
+    with pytest.raises(WeightSyncError, match="reset_prefix_cache answered"):
+        sync.push(tmp_path / B, 1)
+    assert paths(fake, "v") == [*PUSH[:3], "/resume"]
+
+
+def test_vllm_sync_names_an_unmounted_server_path(tmp_path: Path) -> None:
+    fake, client = replayed("path_map_missing", tmp_path)
+    cfg = VLLMSyncConfig(urls=("http://v:8000",), path_map=(str(tmp_path.resolve()), "/models/not-mounted"))  # fmt: skip
+    with pytest.raises(WeightSyncError, match=r"not-mounted/smollm2-b.*path the server can read"):
+        VLLMSync(cfg, client=client).push(tmp_path / B, 1)
+    assert fake.finished("v")
 
 
 def test_vllm_sync_explains_missing_dev_mode(tmp_path: Path) -> None:
-    fake = FakeVLLM(fail={"/pause": 404})
-    sync = VLLMSync(
-        VLLMSyncConfig(urls=("http://v:8000",)),
-        client=httpx.Client(transport=httpx.MockTransport(fake)),
-    )
+    fake, client = replayed("no_dev_mode", tmp_path)
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
     with pytest.raises(WeightSyncError, match="VLLM_SERVER_DEV_MODE=1"):
-        sync.push(export_dir(tmp_path), 1)
+        sync.push(tmp_path / B, 1)
+    assert paths(fake, "v") == ["/pause?mode=wait"]  # nothing paused, nothing to resume
+
+
+def test_recorded_vllm_refuses_what_real_vllm_was_not_sent(tmp_path: Path) -> None:
+    _, client = replayed("push", tmp_path)
+    wrong_body = {"method": "reload_weights", "kwargs": {"path": str(tmp_path / B)}}
+    with pytest.raises(AssertionError, match="real vLLM was sent"):
+        client.post("http://v:8000/collective_rpc", json=wrong_body)
+    with pytest.raises(AssertionError, match="real vLLM was sent"):
+        client.post("http://v:8000/pause", params={"mode": "abort"})  # recorded: mode=wait
+    r = client.post("http://v:8000/reload_weights", json={"weights_path": str(tmp_path / B)})
+    assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})  # as vLLM answers it
 
 
 def test_bad_exports_never_reach_a_server(tmp_path: Path) -> None:
     # A bad weights_path makes vLLM's worker raise, which kills its engine: check first.
-    fake = FakeVLLM()
-    sync = VLLMSync(
-        VLLMSyncConfig(urls=("http://v:8000",)),
-        client=httpx.Client(transport=httpx.MockTransport(fake)),
-    )
+    fake, client = replayed("push", tmp_path)
+    sync = VLLMSync(VLLMSyncConfig(urls=("http://v:8000",)), client=client)
     with pytest.raises(ValueError, match="not an exported HF folder"):
         sync.push(tmp_path, 1)
     with pytest.raises(TypeError, match="export_hf"):
         sync.push({"params": 1}, 1)
     with pytest.raises(ValueError, match="version"):
-        sync.push(export_dir(tmp_path), -1)
-    assert fake.calls == []
+        sync.push(tmp_path / B, -1)
+    assert fake.sent == {}
     with pytest.raises(ValueError, match="urls"):
         VLLMSyncConfig(urls=("vllm:8000",))
     with pytest.raises(ValueError, match="pause_mode"):
         VLLMSyncConfig(urls=("http://v:8000",), pause_mode="later")
-
-
-def test_path_map_translates_shared_storage_mounts(tmp_path: Path) -> None:
-    d = export_dir(tmp_path)
-    fake = FakeVLLM()
-    cfg = VLLMSyncConfig(
-        urls=("http://v:8000",), path_map=(str(tmp_path.resolve()), "/shared/exports")
-    )
-    VLLMSync(cfg, client=httpx.Client(transport=httpx.MockTransport(fake))).push(d, 2)
-    assert fake.calls[1][2]["kwargs"]["weights_path"] == "/shared/exports/export"
 
 
 # -- the embedded JAX server, for real: a tiny model, exported, reloaded over HTTP ---------------
@@ -288,6 +335,31 @@ def test_real_vllm_reload_switches_greedy_outputs(tmp_path: Path) -> None:
             proc.kill()
         log.close()
         print((tmp_path / "vllm.log").read_text()[-4000:])  # shown by pytest when the test fails
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(3000)  # three vLLM starts: a failed reload stops the server
+@pytest.mark.skipif(
+    not VLLM_PY,
+    reason="real vLLM tier: `make vllm-env`, then HARNESSRL_VLLM_PYTHON=.venv-vllm/bin/python",
+)
+def test_recorded_weight_sync_exchanges_still_match_real_vllm(tmp_path: Path) -> None:
+    # Records again and compares with the replayed fixture, so the replayed tests keep speaking
+    # for the installed vLLM. Dropped connections depend on timing: they are not compared.
+    out = tmp_path / FIXTURE.name
+    recorder = ROOT / "tests/fixtures/vllm/record_weight_sync.py"
+    cmd = [sys.executable, str(recorder), "--vllm-python", str(VLLM_PY), "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=2900)
+
+    def exchanges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            {**r, "response_raw": json.loads(r["response_raw"]) if r["response_raw"] else ""}
+            for r in rows
+            if not r.get("error")
+        ]
+
+    fresh = [json.loads(line) for line in out.read_text().splitlines()]
+    assert exchanges(fresh) == exchanges(recorded_rows())
 
 
 def test_check_export_dir_accepts_a_real_export(tmp_path: Path) -> None:
