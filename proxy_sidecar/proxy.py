@@ -48,7 +48,8 @@ def rollout_of(scope: Scope, default: str) -> str:
 
 
 def rewrite(request: dict[str, Any], endpoint: EndpointKind, state: SidecarState) -> bytes:
-    """Ask for the server's token ids and sampled-token logprobs; apply the mode's overrides."""
+    """The body to send: the server's token ids and sampled-token logprobs asked for, the mode's
+    overrides applied. BadRequest if it cannot be re-encoded (nor so recorded)."""
     request["return_token_ids"] = True
     if endpoint is EndpointKind.CHAT:
         request["logprobs"] = True
@@ -61,7 +62,15 @@ def rewrite(request: dict[str, Any], endpoint: EndpointKind, state: SidecarState
     overrides = state.config.overrides(state.mode)
     if overrides:
         request.update(overrides)
-    return orjson.dumps(request)
+    try:
+        return orjson.dumps(request)
+    except TypeError as err:
+        # orjson re-encodes at most 254 levels of nesting (it parses 1024). The trace store
+        # encodes the same way, so such a call could not be recorded: refused, not forwarded.
+        raise BadRequest(
+            f"request body cannot be forwarded and recorded ({err}): JSON nested more than 254 "
+            "levels deep is not supported"
+        ) from err
 
 
 def upstream_headers(scope: Scope) -> list[tuple[str, str]]:
@@ -157,16 +166,8 @@ class ProxyEndpoint:
         state = self.state
         try:
             body = rewrite(request, self.endpoint, state)
-        except TypeError as err:
-            # orjson re-encodes at most 254 levels of nesting (it parses 1024). The trace store
-            # encodes the same way, so such a call could not be recorded: refused, not forwarded.
-            await send_error(
-                send,
-                BadRequest(
-                    f"request body cannot be forwarded and recorded ({err}): JSON nested more "
-                    "than 254 levels deep is not supported"
-                ),
-            )
+        except SidecarError as err:
+            await send_error(send, err)
             return
         path = self.path + (
             "?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""
@@ -193,33 +194,37 @@ class ProxyEndpoint:
             await send_error(send, err)
             return
         headers, raw_version = response_headers(resp)
-        version = reported_version(raw_version)
-        if version is None:
-            if raw_version is not None and upstream.url not in self._warned:
-                # Not the weights' version as the stores can keep it: the control API's value
-                # stands in (as for a server that sends no header); said once per upstream.
-                self._warned.add(upstream.url)
-                log.warning(
-                    "upstream %s sent %s: %r, not an integer in [0, 2**63 - 1]; recording the "
-                    "control API's policy version instead",
-                    upstream.url,
-                    _POLICY_HEADER.decode(),
-                    raw_version[:40],
-                )
-            version = state.policy_version
         common = dict(
             endpoint=self.endpoint,
             rollout_id=rollout_id,
             started=started,
             request=request,
             upstream=upstream.url,
-            policy_version=version,
+            policy_version=self._served_version(raw_version, upstream.url),
         )
         stream = any(n == b"content-type" and b"text/event-stream" in v for n, v in headers)
         if stream:
             await self._stream(receive, send, resp, headers, common)
         else:
             await self._buffered(send, resp, headers, common)
+
+    def _served_version(self, raw: bytes | None, upstream: str) -> int | None:
+        """The upstream's version header if usable, else the control API's version."""
+        version = reported_version(raw)
+        if version is not None:
+            return version
+        if raw is not None and upstream not in self._warned:
+            # Not a version the stores can keep: the control API's value stands in, as for a
+            # server that sends no header; said once per upstream.
+            self._warned.add(upstream)
+            log.warning(
+                "upstream %s sent %s: %r, not an integer in [0, 2**63 - 1]; recording the "
+                "control API's policy version instead",
+                upstream,
+                _POLICY_HEADER.decode(),
+                raw[:40],
+            )
+        return self.state.policy_version
 
     async def _store(self, record: Any, stream: bool) -> int | None:
         """Commit the record; None if the store refused it (counted and logged)."""
