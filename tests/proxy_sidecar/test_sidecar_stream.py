@@ -92,7 +92,9 @@ def test_client_disconnect_closes_upstream_and_is_recorded(fake: Any, sidecar: A
     (rec,) = sidecar.store.calls("gone")
     assert rec.error == "client disconnected" and not rec.ok
     assert rec.latency_ms < 4000  # did not wait for the 5 s, 100-token stream to finish
-    assert sidecar.state.in_flight == 0
+    while sidecar.state.in_flight:  # the handler leaves just after its record is committed
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_missing_token_ids_is_a_capture_error_but_the_response_passes(
