@@ -90,6 +90,17 @@ def reorder_tolerance(cfg: ModelConfig, scale: float, length: int) -> float:
     return 4.0 * cfg.num_layers * math.sqrt(n) * EPS32 * scale
 
 
+def logprob_reorder_tolerance(cfg: ModelConfig, logit_scale: float, length: int) -> float:
+    """`reorder_tolerance` carried through log_softmax, for logprobs of the same tokens.
+
+    logprob = logit - logsumexp(logits): each of the two terms moves by at most the logits'
+    reordering error, and the sum over the vocabulary itself rounds by ~sqrt(V) ulps (relative,
+    hence absolute in its log) in each of the two evaluations.
+    """
+    logits = reorder_tolerance(cfg, logit_scale, length)
+    return 2.0 * logits + 2.0 * math.sqrt(cfg.vocab_size) * EPS32
+
+
 def assert_reordered_close(
     got: np.ndarray, want: np.ndarray, cfg: ModelConfig, length: int, scale: float | None = None
 ) -> None:
