@@ -141,6 +141,8 @@ class Engine:
         reaches a step it shares with others) and EngineBusy when the queue is full. Returns
         `cancel(choice=None)` (safe from any thread): ends that choice, or all of them.
         """
+        if not prompt_ids:  # a slot that never prefills would hold its place forever
+            raise ValueError("the prompt must hold at least one token")
         if max_tokens < 1 or len(prompt_ids) + max_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} does not fit "

@@ -173,7 +173,13 @@ def _prompt_ids(
     if isinstance(value, str):
         if not value:
             raise RequestError("prompt must not be empty", param="prompt")
-        return list(tokenizer.encode(value)), value
+        ids = list(tokenizer.encode(value))
+        if not ids:  # e.g. control characters the vocabulary drops: nothing to prefill
+            raise RequestError(
+                f"prompt {value[:40]!r} tokenizes to no tokens; the decoder prompt cannot be empty",
+                param="prompt",
+            )
+        return ids, value
     if isinstance(value, list) and len(value) >= max_model_len:
         _check_length(len(value), SamplingParams(), max_model_len)  # before reading every id
     if (

@@ -243,6 +243,8 @@ def test_bad_arguments_are_rejected(served):
     _, engine = served
     with pytest.raises(ValueError, match="does not fit max_model_len=96"):
         engine.submit([1] * 90, SamplingParams(), 10, lambda evs: None)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.submit([], SamplingParams(), 10, lambda evs: None)
     with pytest.raises(ValueError, match="missing"):
         engine.swap_params({"embed_vd": np.zeros((VOCAB, 32), np.float32)}, 5)
     bad = nnx.state(_model(2), nnx.Param)

@@ -121,6 +121,26 @@ def test_template_failure_is_a_400():
     assert info.value.status == 400 and info.value.param == "messages"
 
 
+class _DroppingTokenizer(ByteTokenizer):
+    """Encodes some text to nothing, as SmolLM2's tokenizer does with control characters."""
+
+    def encode(self, text):
+        return []
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_a_400():
+    with pytest.raises(RequestError, match="tokenizes to no tokens") as info:
+        parse_job(
+            {"prompt": "\x16"},
+            chat=False,
+            tokenizer=_DroppingTokenizer(),
+            served="smol",
+            max_model_len=64,
+            vocab_size=VOCAB,
+        )
+    assert info.value.status == 400 and info.value.param == "prompt"
+
+
 class _CountingTokenizer(ByteTokenizer):
     calls = 0
 
