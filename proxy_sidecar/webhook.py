@@ -251,14 +251,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     import uvicorn
 
-    uvicorn.run(
+    from harnessrl.serve.listener import HttpLimits, server_config
+
+    # The API server is its only client, but the port is reachable in-cluster: bounded heads.
+    listener = server_config(
         create_app(spec),
         host=args.host,
         port=args.port,
+        limits=HttpLimits(),
         ssl_certfile=args.tls_cert,
         ssl_keyfile=args.tls_key,
         log_level="info",
     )
+    uvicorn.Server(listener).run()
 
 
 if __name__ == "__main__":

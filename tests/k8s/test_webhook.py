@@ -218,6 +218,11 @@ def test_webhook_serves_over_tls(tmp_path: Path) -> None:
         r = httpx.post(f"https://127.0.0.1:{port}/mutate", json=review, verify=ctx)
         ops = json.loads(base64.b64decode(r.json()["response"]["patch"]))
         assert any(op["path"] == "/spec/initContainers" for op in ops)
+        # The bounded listener of the other servers: an oversized head is refused.
+        huge = httpx.get(
+            f"https://127.0.0.1:{port}/healthz", headers={"x-pad": "a" * 100_000}, verify=ctx
+        )
+        assert huge.status_code == 431
         with pytest.raises(httpx.TransportError):  # plain HTTP is not served
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
     finally:
@@ -232,10 +237,16 @@ def test_main_builds_the_spec_from_flags(monkeypatch: pytest.MonkeyPatch) -> Non
 
     seen: dict[str, Any] = {}
 
-    def fake_run(app: Any, **kw: Any) -> None:
-        seen.update(kw, spec=app.state.spec)
+    def fake_run(server: uvicorn.Server) -> None:
+        c = server.config
+        seen.update(
+            ssl_certfile=c.ssl_certfile,
+            ssl_keyfile=c.ssl_keyfile,
+            port=c.port,
+            spec=c.app.state.spec,
+        )
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     webhook.main(
         ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--port", "9443",
          "--sidecar-image", "reg/x:1", "--upstream", "http://a:1,http://b:2", "--sidecar-port", "9090"]
