@@ -37,23 +37,18 @@ from typing import Any  # noqa: E402
 
 from harnessrl.config import TrainConfig, describe, load_config  # noqa: E402
 from harnessrl.data.pipeline import StepTraces, build_step  # noqa: E402
+from harnessrl.fleet.capture import Capture, LocalCapture, PodCapture  # noqa: E402
+from harnessrl.fleet.serving import EmbeddedServing, Serving, copy_model, remote_serving  # noqa: E402
+from harnessrl.fleet.sidecar import SidecarProcess  # noqa: E402
 from harnessrl.learner.hosts import LeadLearner, follow  # noqa: E402
 from harnessrl.learner.mesh import init_distributed  # noqa: E402
 from harnessrl.learner.step import Learner  # noqa: E402
+from harnessrl.model.load import load_policy  # noqa: E402
+from harnessrl.report import MetricsLog, plot_rewards, read_metrics  # noqa: E402
 from harnessrl.rollout.builtin_tasks import addition_tasks  # noqa: E402
 from harnessrl.rollout.evaluators import get_evaluator  # noqa: E402
-from harnessrl.rollout.fleet import (  # noqa: E402
-    Capture,
-    EmbeddedServing,
-    LocalCapture,
-    PodCapture,
-    Serving,
-    remote_serving,
-)
 from harnessrl.rollout.local import LocalLauncher, LocalLauncherConfig, parse_command  # noqa: E402
-from harnessrl.rollout.metrics import MetricsLog, plot_rewards, read_metrics  # noqa: E402
 from harnessrl.rollout.round import RoundResult, plan_round, run_round, sample_tasks  # noqa: E402
-from harnessrl.rollout.services import SidecarProcess, copy_model, load_policy  # noqa: E402
 from harnessrl.rollout.tasks import Launcher, Task, load_tasks  # noqa: E402
 from harnessrl.serve.app import start_server  # noqa: E402
 from harnessrl.traces import open_store  # noqa: E402

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from gguf import GGUFReader
 
 from harnessrl.learner.mesh import logical_to_spec
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder, param_sharding
-from harnessrl.model.gguf_import import read_gguf
+from harnessrl.model.gguf_import import read_gguf, read_metadata
 from harnessrl.model.hf_import import Params, params_from_hf, read_hf_folder
 from harnessrl.model.tokenizer import ChatTokenizer
 
@@ -122,3 +123,25 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, .
     if isinstance(tree, dict):
         return [item for key, sub in tree.items() for item in _flatten(sub, (*prefix, key))]
     return [(prefix, tree)]
+
+
+TINY = "tiny"
+
+
+def load_policy(spec: str, seed: int = 0) -> tuple[Decoder, ChatTokenizer]:
+    """`spec` as `load_model` takes it, or `tiny`: random weights around SmolLM2's tokenizer."""
+    if spec != TINY:
+        loaded = load_model(spec)
+        if loaded.tokenizer is None:
+            raise ValueError(
+                f"model {spec!r} has no tokenizer (tokenizer.json); the server needs one"
+            )
+        return loaded.model, loaded.tokenizer
+    tokenizer = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))
+    cfg = ModelConfig.tiny(
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Decoder(cfg, rngs=nnx.Rngs(seed)), tokenizer

@@ -64,7 +64,7 @@ def embedded() -> Iterator[str]:
         smollm2_gguf_path()
     except ValueError as err:
         pytest.skip(f"needs the shipped SmolLM2 model (its tokenizer): {err}")
-    from harnessrl.rollout.services import load_policy
+    from harnessrl.model.load import load_policy
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 

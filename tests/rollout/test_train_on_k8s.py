@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from harnessrl.config import SidecarConfig
-from harnessrl.rollout.services import SidecarProcess, free_port, load_policy
+from harnessrl.fleet.sidecar import SidecarProcess, free_port
+from harnessrl.model.load import load_policy
 from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 from harnessrl.traces import open_store

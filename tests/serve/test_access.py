@@ -12,10 +12,10 @@ import pytest
 from fakes import ADMIN_TOKEN, bounded_model_config
 from flax import nnx
 
+from harnessrl.fleet.serving import remote_serving
+from harnessrl.fleet.weight_sync import EmbeddedSync, WeightSyncError
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.export import export_hf
-from harnessrl.rollout.fleet import remote_serving
-from harnessrl.rollout.weight_sync import EmbeddedSync, WeightSyncError
 from harnessrl.serve.__main__ import parse_args
 from harnessrl.serve.config import ServeConfig, is_loopback
 

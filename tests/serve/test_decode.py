@@ -266,7 +266,7 @@ def served_and_learner_logprobs(
     `score` of each (its own logprob path: the training forward and `losses.token_logprobs`),
     and the largest |logit| of that forward, the scale the float32 bound is relative to.
     """
-    from harnessrl.rollout.services import copy_model
+    from harnessrl.fleet.serving import copy_model
 
     engine = Engine(copy_model(model), eos, config)
     engine.warm_up()
@@ -308,7 +308,7 @@ def test_smoke_model_served_logprobs_equal_learner_logprobs():
     What the loop's importance ratio sees: any gap beyond float32 reordering (a stale cache
     entry, a position off by one, a segment leaking into its neighbour) would bias every update.
     """
-    from harnessrl.rollout.services import load_policy
+    from harnessrl.model.load import load_policy
 
     try:
         model, tokenizer = load_policy("tiny")

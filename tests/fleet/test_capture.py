@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harnessrl.rollout.fleet import PodCapture
+from harnessrl.fleet.capture import PodCapture
 
 
 class Pods:
@@ -84,30 +84,6 @@ def test_a_sidecar_refusing_to_pause_stops_the_push_and_resumes_the_others() -> 
 def test_missing_control_token_says_where_it_comes_from() -> None:
     with pytest.raises(ValueError, match=r"HARNESSRL_CONTROL_TOKEN.*harnessrl-control"):
         PodCapture(Pods([]), "")
-
-
-def test_remote_serving_exports_each_version_and_keeps_the_last_two(tmp_path: Any) -> None:
-    from flax import nnx
-
-    from harnessrl.model.config import ModelConfig
-    from harnessrl.model.decoder import Decoder
-    from harnessrl.model.export import export_hf
-    from harnessrl.rollout.fleet import RemoteServing
-
-    model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
-    pushed: list[tuple[str, int]] = []
-
-    class Sync:
-        def push(self, folder: Any, version: int) -> None:
-            assert (folder / "config.json").is_file()  # complete before any server sees it
-            pushed.append((folder.name, version))
-
-    serving = RemoteServing("http://vllm:8000", Sync(), tmp_path / "weights", tokenizer=None)
-    learner = SimpleNamespace(export_hf=lambda out, tok: export_hf(model, out, tok))
-    for version in (1, 2, 3):
-        serving.push(learner, version)
-    assert pushed == [("v000001", 1), ("v000002", 2), ("v000003", 3)]
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000003"]
 
 
 def test_a_pods_reward_credential_is_what_its_sidecar_accepts_for_that_rollout_only() -> None:

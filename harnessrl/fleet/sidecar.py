@@ -1,7 +1,7 @@
-"""The processes a train run stands on: the policy model, the embedded server and the sidecar.
+"""The train loop's own sidecar: `python -m proxy_sidecar` as a child process of the trainer.
 
-In: the model spec and the stage configs. Out: a loaded (or tiny random) policy with its chat
-tokenizer, and a running `python -m proxy_sidecar` with its control API (pause, resume, version).
+In: the upstream servers, the trace store URL and the sidecar config. Out: a running sidecar that
+dies with the trainer, with its control API (pause, resume, policy version) at hand.
 """
 
 from __future__ import annotations
@@ -18,46 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from harnessrl.config import SidecarConfig
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.load import load_model, smollm2_gguf_path
-from harnessrl.model.tokenizer import ChatTokenizer
-
-TINY = "tiny"
-
-
-def load_policy(spec: str, seed: int = 0) -> tuple[Decoder, ChatTokenizer]:
-    """`spec` as `load_model` takes it, or `tiny`: random weights around SmolLM2's tokenizer."""
-    if spec != TINY:
-        loaded = load_model(spec)
-        if loaded.tokenizer is None:
-            raise ValueError(
-                f"model {spec!r} has no tokenizer (tokenizer.json); the server needs one"
-            )
-        return loaded.model, loaded.tokenizer
-    from gguf import GGUFReader
-
-    from harnessrl.model.gguf_import import read_metadata
-
-    tokenizer = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))
-    cfg = ModelConfig.tiny(
-        vocab_size=tokenizer.vocab_size,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return Decoder(cfg, rngs=nnx.Rngs(seed)), tokenizer
-
-
-def copy_model(model: nnx.Module) -> nnx.Module:
-    """The same module on fresh buffers, so the learner's donated updates never touch the server."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harnessrl.rollout.weight_sync import (
+from harnessrl.fleet.weight_sync import (
     EmbeddedSync,
     VLLMSync,
     VLLMSyncConfig,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.rollout.metrics import MetricsLog, format_line, plot_rewards, read_metrics
+from harnessrl.report import MetricsLog, format_line, plot_rewards, read_metrics
 
 
 def test_log_writes_jsonl_tensorboard_and_a_line(

@@ -1,0 +1,1 @@
+"""The servers and sidecars the train loop drives: serving, weight sync, capture control."""

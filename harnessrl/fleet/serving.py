@@ -1,0 +1,92 @@
+"""Where the policy is served: the embedded JAX server in this process, or remote servers.
+
+In: the learner's weights and their policy version. Out: servers answering with them. Remote
+servers (vLLM, or embedded servers elsewhere) load an exported HF folder from shared storage.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from harnessrl.fleet.weight_sync import EmbeddedSync, VLLMSync, VLLMSyncConfig, WeightSync
+from harnessrl.serve.app import ServerHandle
+
+KEEP_EXPORTS = 2  # the served version and the one before it: a server mid-reload still finds it
+
+
+class Serving(Protocol):
+    url: str  # what sidecars forward to (comma-separated when there are several servers)
+
+    @property
+    def compile_count(self) -> int: ...
+
+    def push(self, learner: Any, version: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def copy_model(model: nnx.Module) -> nnx.Module:
+    """The same module on fresh buffers, so the learner's donated updates never touch the server."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
+
+
+class EmbeddedServing:
+    """The in-process server: new params are swapped into its engine, no copy to disk."""
+
+    def __init__(self, server: ServerHandle) -> None:
+        self.server = server
+        self.url = server.url
+
+    @property
+    def compile_count(self) -> int:
+        return int(self.server.engine.compile_count)
+
+    def push(self, learner: Any, version: int) -> None:
+        self.server.engine.swap_params(learner.params_state(), version)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class RemoteServing:
+    """Servers elsewhere: export to `export_root` (shared storage), then make each server load it."""
+
+    def __init__(self, urls: str, sync: WeightSync, export_root: Path, tokenizer: Any) -> None:
+        self.url = urls
+        self.sync = sync
+        self.export_root = export_root
+        self.tokenizer = tokenizer
+        self.compile_count = 0  # remote servers compile on their own; not counted here
+
+    def push(self, learner: Any, version: int) -> None:
+        folder = self.export_root / f"v{version:06d}"
+        learner.export_hf(folder, self.tokenizer)
+        self.sync.push(folder, version)
+        exports = sorted(p for p in self.export_root.glob("v*") if p.is_dir())
+        for old in exports[:-KEEP_EXPORTS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def stop(self) -> None:
+        pass
+
+
+def remote_serving(
+    urls: str, weight_sync: str, export_root: Path, tokenizer: Any, admin_token: str = ""
+) -> RemoteServing:
+    """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1) or embedded (whose
+    `/admin/load_weights` takes `admin_token`, the servers' `--admin-token`)."""
+    sync: WeightSync
+    if weight_sync == "vllm":
+        sync = VLLMSync(VLLMSyncConfig(urls=tuple(urls.split(","))))
+    elif weight_sync == "embedded":
+        sync = EmbeddedSync(urls=urls, admin_token=admin_token or None)
+    else:
+        raise ValueError(f"rollout.weight_sync must be vllm or embedded, got {weight_sync!r}")
+    return RemoteServing(urls, sync, export_root, tokenizer)
