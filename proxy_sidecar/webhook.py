@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     import uvicorn
 
-    from harnessrl.serve.listener import HttpLimits, server_config
+    from harnessrl.listener import HttpLimits, server_config
 
     # The API server is its only client, but the port is reachable in-cluster: bounded heads.
     listener = server_config(

@@ -16,8 +16,8 @@ from typing import Any
 
 import uvicorn
 
+from harnessrl.listener import server_config
 from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.listener import server_config
 
 
 def _parse_value(name: str, text: str, default: Any) -> Any:
@@ -69,9 +69,9 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> ServeConfi
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    from harnessrl.engine.decode import Engine
     from harnessrl.model.load import load_model
     from harnessrl.serve.app import build_app
-    from harnessrl.serve.decode import Engine
 
     loaded = load_model(config.model)
     if loaded.tokenizer is None:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.warmup:
         print(f"warming up {config.model_name} ({engine.config.num_slots} slots)...", flush=True)
         engine.warm_up()
-    app = build_app(engine, loaded.tokenizer)
+    app = build_app(engine, loaded.tokenizer, config)
     print(f"serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True)
     limits = config.http_limits
     uvicorn.Server(

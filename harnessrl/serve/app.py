@@ -26,9 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from harnessrl.engine.decode import Engine
+from harnessrl.engine.swap import load_params
+from harnessrl.listener import server_config
 from harnessrl.model.decoder import Decoder
 from harnessrl.serve.config import INT64_MAX, ServeConfig
-from harnessrl.serve.decode import Engine
 from harnessrl.serve.generate import (
     VERSION_HEADER,
     Backend,
@@ -36,10 +38,8 @@ from harnessrl.serve.generate import (
     decode_json,
     read_body,
 )
-from harnessrl.serve.listener import server_config
 from harnessrl.serve.output import TokenText
 from harnessrl.serve.protocol import RequestError, RequestLimits, Tokenizer, tokenize_body
-from harnessrl.serve.swap import load_params
 
 ParamsLoader = Callable[[str], Any]
 log = logging.getLogger(__name__)
@@ -203,10 +203,13 @@ async def load_weights(request: Request) -> JSONResponse:
 
 
 def build_app(
-    engine: Engine, tokenizer: Tokenizer, *, params_loader: ParamsLoader = load_params
+    engine: Engine,
+    tokenizer: Tokenizer,
+    config: ServeConfig,
+    *,
+    params_loader: ParamsLoader = load_params,
 ) -> Starlette:
     """The server app around a started (or to-be-started) engine; the lifespan starts/stops it."""
-    config = engine.config
     backend = Backend(
         engine=engine,
         tokenizer=tokenizer,
@@ -280,7 +283,7 @@ def start_server(
     engine = Engine(model, eos, config)
     if config.warmup:
         engine.warm_up()
-    app = build_app(engine, tokenizer, params_loader=params_loader)
+    app = build_app(engine, tokenizer, config, params_loader=params_loader)
     server = uvicorn.Server(
         server_config(
             app,

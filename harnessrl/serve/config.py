@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field, fields
 
-from harnessrl.serve.listener import HttpLimits
+from harnessrl.listener import HttpLimits
 
 INT64_MAX = (1 << 63) - 1  # policy versions end up in SQLite/PostgreSQL BIGINT columns
 

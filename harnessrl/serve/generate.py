@@ -16,10 +16,9 @@ from typing import Any
 
 import orjson
 
-from harnessrl.serve.decode import Cancel, Engine, EngineBusy
+from harnessrl.engine.decode import Cancel, Engine, EngineBusy, TokenEvent
 from harnessrl.serve.output import (
     ChoiceState,
-    TokenEvent,
     TokenText,
     chat_body,
     chat_logprobs,

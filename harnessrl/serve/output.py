@@ -11,22 +11,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from harnessrl.engine.decode import TokenEvent
 from harnessrl.serve.protocol import GenerationJob, Tokenizer
 from harnessrl.serve.tools import TOOL_CALL_OPEN, parse_tool_calls
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One sampled token of one choice, as the engine reports it."""
-
-    choice: int
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (id, logprob), best first; empty unless asked for
-    finish_reason: str | None  # "stop" | "length" | "abort" (engine stopped/lost) | "error" | None
-    stop_reason: int | None  # the stop token id that ended it, if not EOS
-    version: int
-    error: str | None = None  # why the engine ended it without a token
 
 
 class TokenText:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
 
+from harnessrl.engine.sampler import SamplingParams
 from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.sampling import SamplingParams, parse_sampling
+from harnessrl.serve.sampling import parse_sampling
 from harnessrl.serve.tools import validate_tools
 
 

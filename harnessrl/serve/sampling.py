@@ -1,45 +1,19 @@
-"""Serving stage, sampling: request fields → `SamplingParams`; fp32 logits → sampled tokens.
+"""Serving stage, sampling fields: an OpenAI/vLLM request body → the engine's `SamplingParams`.
 
-`sample_tokens` runs inside the engine's jitted step with static shapes (one row per KV-cache
-slot). Returned logprobs are the model's raw distribution (log_softmax of the fp32 logits, before
-temperature/top-k/top-p), as vLLM returns by default, so they match the learner's.
+Each field is checked for type and range here, so the engine only sees settings it can run;
+errors are ValueErrors naming the field, which the HTTP edge answers as vLLM's 400.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+from harnessrl.engine.sampler import INT32_MAX, MAX_TOP_LOGPROBS, SamplingParams
 
-# OpenAI caps top_logprobs at 20; the engine always computes this many so shapes never change.
-MAX_TOP_LOGPROBS = 20
-INT32_MAX = (1 << 31) - 1  # the sampler's per-row settings are int32 device arrays
 # Stop strings are matched (and held back while streaming) on every token of every choice, so
 # their number and length bound per-token host work; stop ids are looked up per token too.
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 256, 256
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What one request asks of the sampler; validated at the HTTP edge."""
-
-    max_tokens: int | None = None  # None: fill the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -154,96 +128,3 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         skip_special_tokens=_flag(body, "skip_special_tokens", True),
         logprobs=logprobs,
     )
-
-
-def _bisect(pred: Any, lo_s: jax.Array, hi_s: jax.Array, iters: int = 32) -> jax.Array:
-    """Per row, the largest t in [lo, hi] with pred(t) (pred(lo) holds; pred falls as t grows)."""
-
-    def body(_: Any, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        lo, hi = bounds
-        mid = (lo + hi) * 0.5
-        ok = pred(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    return jax.lax.fori_loop(0, iters, body, (lo_s, hi_s))[0]
-
-
-def _filter_mask(
-    scaled_sv: jax.Array, top_k_s: jax.Array, top_p_s: jax.Array, min_p_s: jax.Array
-) -> jax.Array:
-    """Which tokens top-k, then top-p and min-p keep, found by bisecting thresholds (no sort)."""
-    vocab = scaled_sv.shape[-1]
-    k_s = jnp.where(top_k_s > 0, jnp.minimum(top_k_s, vocab), vocab)
-    kth_s = _bisect(
-        lambda t: jnp.sum(scaled_sv >= t[:, None], axis=-1) >= k_s,
-        jnp.min(scaled_sv, axis=-1),
-        jnp.max(scaled_sv, axis=-1),
-    )
-    keep_sv = scaled_sv >= kth_s[:, None]
-    probs_sv = jax.nn.softmax(jnp.where(keep_sv, scaled_sv, -jnp.inf), axis=-1)
-    top_s = jnp.max(probs_sv, axis=-1)
-    # The smallest set of most likely tokens whose mass reaches top_p: the highest probability
-    # floor that still keeps top_p of the mass.
-    floor_s = _bisect(
-        lambda t: jnp.sum(jnp.where(probs_sv >= t[:, None], probs_sv, 0.0), axis=-1) >= top_p_s,
-        jnp.zeros_like(top_s),
-        top_s,
-    )
-    floor_s = jnp.where(top_p_s >= 1.0, 0.0, floor_s)
-    return keep_sv & (probs_sv >= jnp.maximum(floor_s, min_p_s * top_s)[:, None])
-
-
-def sample_tokens(
-    logits_sv: jax.Array,
-    temperature_s: jax.Array,
-    top_p_s: jax.Array,
-    top_k_s: jax.Array,
-    min_p_s: jax.Array,
-    keys_s2: jax.Array,
-    salts_s: jax.Array,
-    steps_s: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One token per row → (token_s, logprob_s, top_ids_sk, top_logprobs_sk).
-
-    Every row runs the same program whatever its settings: filters are per-row thresholds
-    (skipped at run time when no row asks for one), then inverse-CDF sampling with one uniform
-    per row; temperature 0 means greedy. `keys_s2` are raw uint32 keys, one per row, folded with
-    the row's salt (its choice index) and step, so a seeded request is reproducible whatever it
-    is batched with. A full-vocabulary sort or Gumbel noise would cost more than the model step.
-    """
-    logits_sv = logits_sv.astype(jnp.float32)
-    vocab = logits_sv.shape[-1]
-    logprobs_sv = jax.nn.log_softmax(logits_sv, axis=-1)
-    greedy_s = temperature_s <= 0.0
-    scaled_sv = logits_sv / jnp.where(greedy_s, 1.0, temperature_s)[:, None]
-    filtering = jnp.any((top_k_s > 0) | (top_p_s < 1.0) | (min_p_s > 0.0))
-    keep_sv = jax.lax.cond(
-        filtering,
-        _filter_mask,
-        lambda x, *_: jnp.ones(x.shape, bool),
-        scaled_sv,
-        top_k_s,
-        top_p_s,
-        min_p_s,
-    )
-    probs_sv = jax.nn.softmax(jnp.where(keep_sv, scaled_sv, -jnp.inf), axis=-1)
-    cdf_sv = jnp.cumsum(probs_sv, axis=-1)
-
-    def uniform(key_2: jax.Array, salt: jax.Array, step: jax.Array) -> jax.Array:
-        key_2 = jax.random.fold_in(jax.random.fold_in(key_2, salt), step)
-        return jax.random.uniform(key_2, (), jnp.float32)
-
-    target_s = jax.vmap(uniform)(keys_s2, salts_s, steps_s) * cdf_sv[:, -1]
-    drawn_s = jnp.minimum(jnp.sum(cdf_sv <= target_s[:, None], axis=-1), vocab - 1)
-    # Rounding can land on a zero-probability token at the edges; fall back to the mode.
-    drawn_kept_s = jnp.take_along_axis(keep_sv, drawn_s[:, None], axis=-1)[:, 0]
-    best_s = jnp.argmax(jnp.where(keep_sv, scaled_sv, -jnp.inf), axis=-1)
-    sampled_s = jnp.where(
-        drawn_kept_s & (jnp.take_along_axis(probs_sv, drawn_s[:, None], axis=-1)[:, 0] > 0),
-        drawn_s,
-        best_s,
-    )
-    token_s = jnp.where(greedy_s, jnp.argmax(logits_sv, axis=-1), sampled_s).astype(jnp.int32)
-    logprob_s = jnp.take_along_axis(logprobs_sv, token_s[:, None], axis=-1)[:, 0]
-    top_lp_sk, top_ids_sk = jax.lax.top_k(logprobs_sv, min(MAX_TOP_LOGPROBS, vocab))
-    return token_s, logprob_s, top_ids_sk.astype(jnp.int32), top_lp_sk

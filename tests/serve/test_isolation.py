@@ -14,7 +14,7 @@ import httpx
 import jax
 import pytest
 
-from harnessrl.serve.sampling import SamplingParams
+from harnessrl.engine.sampler import SamplingParams
 
 MARKED = [7, 7, 7, 7]  # prompt ids the injected prefill fault recognizes
 

@@ -20,7 +20,7 @@ from probes import body_of, connect, read_until_closed, status_of
 
 from harnessrl.config import SidecarConfig as TrainSidecarConfig
 from harnessrl.fleet.sidecar import SidecarProcess
-from harnessrl.serve.listener import HttpLimits, limited_protocol, server_config
+from harnessrl.listener import HttpLimits, limited_protocol, server_config
 from proxy_sidecar.app import build_app
 from proxy_sidecar.config import SidecarConfig
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fakes import IM_END, VOCAB, ByteTokenizer
 
-from harnessrl.serve.output import ChoiceState, TokenEvent, TokenText, chat_body, completion_body
+from harnessrl.engine.decode import TokenEvent
+from harnessrl.serve.output import ChoiceState, TokenText, chat_body, completion_body
 from harnessrl.serve.protocol import parse_job
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {}}}

@@ -1,4 +1,4 @@
-"""Serving stage, engine: prompts + sampling params → token events, with continuous batching.
+"""Engine stage: prompts + sampling params → token events, with continuous batching.
 
 Sequences (one per choice) share a fixed set of KV-cache slots. Prompts are prefilled in chunks
 whose lengths come from a small bucket set; one decode step advances every active slot at once.
@@ -20,14 +20,28 @@ from typing import Any
 import jax
 import numpy as np
 
+from harnessrl.engine.sampler import SamplingParams
+from harnessrl.engine.steps import DeviceSteps, EngineConfig
+from harnessrl.engine.swap import ParamSwap
 from harnessrl.model.decoder import Decoder
-from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.output import TokenEvent
-from harnessrl.serve.sampling import SamplingParams
-from harnessrl.serve.steps import DeviceSteps
-from harnessrl.serve.swap import ParamSwap
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token of one choice, as the engine reports it."""
+
+    choice: int
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (id, logprob), best first; empty unless asked for
+    finish_reason: str | None  # "stop" | "length" | "abort" (engine stopped/lost) | "error" | None
+    stop_reason: int | None  # the stop token id that ended it, if not EOS
+    version: int
+    error: str | None = None  # why the engine ended it without a token
+
+
 Sink = Callable[[list[TokenEvent]], object]
 Cancel = Callable[..., None]
 
@@ -77,7 +91,7 @@ def _deliver(sink: Sink, events: list[TokenEvent]) -> None:
 class Engine:
     """Continuous-batching decoder over `num_slots` KV-cache rows, run on a background thread."""
 
-    def __init__(self, model: Decoder, eos_token_ids: Any, config: ServeConfig) -> None:
+    def __init__(self, model: Decoder, eos_token_ids: Any, config: EngineConfig) -> None:
         self.config = config
         self.model_config = model.cfg
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)

@@ -1,4 +1,4 @@
-"""Serving stage, weight hot-swap: new params (in-process state, or an exported folder) → engine.
+"""Engine stage, weight hot-swap: new params (in-process state, or an exported folder) → engine.
 
 Incoming params are matched to the serving tree by name, checked for shape, cast to the serving
 dtype and placed on the serving arrays' devices, so the compiled programs are reused as they are.

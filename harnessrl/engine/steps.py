@@ -1,4 +1,4 @@
-"""Serving stage, device programs: the jitted prefill-chunk, decode, first-token and slot-copy steps.
+"""Engine stage, device programs: the jitted prefill-chunk, decode, first-token and slot-copy steps.
 
 In: host-side slot assignments (token ids, positions, sampling settings). Out: sampled tokens and
 their raw logprobs. Holds the params and the KV cache; every program has a fixed shape, and
@@ -8,24 +8,42 @@ their raw logprobs. Holds the params and the KV cache; every program has a fixed
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from harnessrl.engine.sampler import SamplingParams, sample_tokens
 from harnessrl.model.decoder import Decoder, KVCache
-from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.sampling import SamplingParams, sample_tokens
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
+
+
+class EngineConfig(Protocol):
+    """What the engine reads of its config (the serving stage's `ServeConfig` provides it)."""
+
+    @property
+    def num_slots(self) -> int: ...  # KV-cache rows: sequences decoded at once
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]: ...
+    @property
+    def decode_lengths(self) -> tuple[int, ...]: ...
+    @property
+    def max_waiting(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def policy_version(self) -> int: ...
 
 
 class DeviceSteps:
     """The serving model's params + KV cache and the four compiled programs that touch them."""
 
-    def __init__(self, model: Decoder, config: ServeConfig) -> None:
+    def __init__(self, model: Decoder, config: EngineConfig) -> None:
         cfg = model.cfg
         self.config = config
         self.vocab_size = cfg.vocab_size

@@ -17,14 +17,13 @@ import pytest
 from flax import nnx
 
 from harnessrl.data.pack import PackedBatch, PackItem, pack_items
+from harnessrl.engine.decode import Engine, TokenEvent
+from harnessrl.engine.sampler import SamplingParams
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.decode import Engine
-from harnessrl.serve.output import TokenEvent
-from harnessrl.serve.sampling import SamplingParams
 
 # The model tests' float32 bounds (and, for the SmolLM2 tier, their transformers reference).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
