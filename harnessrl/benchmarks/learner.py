@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from harnessrl.benchmarks.model import flops_per_token, torch_reference
+from harnessrl.data.pack import PackedBatch
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.losses import MAX_LOG_RATIO
 from harnessrl.learner.step import Learner
@@ -203,14 +204,15 @@ def time_variant(
     torch_step: Callable[[], None] | None,
 ) -> Run:
     learner = Learner(model, LearnerConfig(learning_rate=LEARNING_RATE, **VARIANTS[name]))
+    micro = [PackedBatch(**batch)]
     start = time.perf_counter()
-    learner.train_step([batch])  # compile + first step
+    learner.train_step(micro)  # compile + first step
     compile_s = time.perf_counter() - start
     n = batch["tokens"].size
     rates, fractions, torch_rates = [], [], []
     for _ in range(steps):
         peak = machine_peak(peak_size)
-        rate = measure(lambda: learner.train_step([batch]), n, 1)
+        rate = measure(lambda: learner.train_step(micro), n, 1)
         rates.append(rate)
         fractions.append(
             Rate(rate.wall * flops_per_token / peak.wall, rate.cpu * flops_per_token / peak.cpu)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -28,17 +28,41 @@ __all__ = [
 ]
 
 
+# A PackedBatch field's metadata declares its dtype; the checks and `zeros` read it from there.
+_INT32, _FLOAT32 = {"dtype": np.int32}, {"dtype": np.float32}
+
+
 @dataclass(frozen=True)
 class PackedBatch:
-    """One micro-batch; all arrays `[rows, bucket_len]`, aligned to the target token."""
+    """One micro-batch, the learner's only input: seven `[rows, bucket_len]` arrays of the dtypes
+    declared here, aligned to the target token. Construction checks shapes and dtypes."""
 
-    tokens: np.ndarray  # int32
-    positions: np.ndarray  # int32, restart at 0 in every segment
-    segment_ids: np.ndarray  # int32, 1.. per row, 0 = padding
-    loss_mask: np.ndarray  # float32, 1 where the token was sampled by the policy
-    behavior_logprobs: np.ndarray  # float32, serving logprob of token t given tokens < t
-    advantages: np.ndarray  # float32, the run's advantage on each of its tokens
-    token_weights: np.ndarray  # float32, step-wide normalization folded in; 0 where mask is 0
+    tokens: np.ndarray = field(metadata=_INT32)
+    positions: np.ndarray = field(metadata=_INT32)  # restart at 0 in every segment
+    segment_ids: np.ndarray = field(metadata=_INT32)  # 1.. per row, 0 = padding
+    loss_mask: np.ndarray = field(metadata=_FLOAT32)  # 1 where the policy sampled the token
+    behavior_logprobs: np.ndarray = field(metadata=_FLOAT32)  # serving logprob of token t
+    advantages: np.ndarray = field(metadata=_FLOAT32)  # the run's advantage on its tokens
+    token_weights: np.ndarray = field(metadata=_FLOAT32)  # normalization folded in; 0 off-mask
+
+    def __post_init__(self) -> None:
+        shape = np.shape(self.tokens)
+        for f in fields(self):
+            value, want = getattr(self, f.name), np.dtype(f.metadata["dtype"])
+            if not isinstance(value, np.ndarray):
+                raise TypeError(
+                    f"PackedBatch.{f.name} must be a numpy array, got {type(value).__name__}"
+                )
+            if value.ndim != 2 or value.shape != shape:
+                raise ValueError(
+                    f"PackedBatch.{f.name} has shape {value.shape}, tokens {shape}; all seven "
+                    "arrays must be [rows, bucket_len]"
+                )
+            if value.dtype != want:
+                raise TypeError(
+                    f"PackedBatch.{f.name} has dtype {value.dtype}, expected {want} "
+                    f"(cast it with .astype(np.{want}))"
+                )
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -55,9 +79,7 @@ class PackedBatch:
     @classmethod
     def zeros(cls, rows: int, length: int) -> PackedBatch:
         """An all-padding micro-batch: zero weight, so it adds nothing to the gradient."""
-        i32 = [np.zeros((rows, length), np.int32) for _ in range(3)]
-        f32 = [np.zeros((rows, length), np.float32) for _ in range(4)]
-        return cls(*i32, *f32)
+        return cls(**{f.name: np.zeros((rows, length), f.metadata["dtype"]) for f in fields(cls)})
 
 
 @dataclass(frozen=True)

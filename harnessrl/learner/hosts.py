@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from harnessrl.data.pack import PackedBatch
-from harnessrl.learner.step import BATCH_FIELDS, Learner, batch_arrays
+from harnessrl.learner.step import Learner
 
 TRAIN, PARAMS, SAVE, RESTORE, STOP = range(1, 6)
 
@@ -39,27 +39,28 @@ def _broadcast_text(text: str | None, size: int) -> str:
     return bytes(_broadcast(raw)).decode()
 
 
-def _broadcast_batch(arrays: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+def _broadcast_batch(batch: PackedBatch | None) -> PackedBatch:
     """Process 0's micro-batch (its shape first, then each array) on every process."""
-    shape = arrays["tokens"].shape if arrays is not None else (0, 0)
+    shape = batch.shape if batch is not None else (0, 0)
     rows, length = (int(x) for x in _broadcast(np.asarray(shape, np.int64)))
-    return {
-        name: _broadcast(arrays[name] if arrays is not None else np.zeros((rows, length), dtype))
-        for name, dtype in BATCH_FIELDS.items()
-    }
+    # Other processes receive into zeros of the contract's own dtypes.
+    source = batch if batch is not None else PackedBatch.zeros(rows, length)
+    return PackedBatch(**{name: _broadcast(a) for name, a in source.as_dict().items()})
 
 
-def own_rows(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def own_rows(batch: PackedBatch) -> PackedBatch:
     """This process's contiguous block of a global micro-batch's rows."""
     count, index = jax.process_count(), jax.process_index()
-    rows = arrays["tokens"].shape[0]
+    rows = batch.shape[0]
     if rows % count:
         raise ValueError(
             f"a micro-batch of {rows} rows cannot be split over {count} processes; choose "
             "data.buckets rows that are a multiple of the process count"
         )
     block = rows // count
-    return {k: v[index * block : (index + 1) * block] for k, v in arrays.items()}
+    return PackedBatch(
+        **{k: v[index * block : (index + 1) * block] for k, v in batch.as_dict().items()}
+    )
 
 
 class LeadLearner:
@@ -82,11 +83,14 @@ class LeadLearner:
         return self.learner.checkpointer
 
     def train_step(self, micro_batches: Sequence[PackedBatch]) -> dict[str, Any]:
-        arrays = [batch_arrays(b) for b in micro_batches]
-        if self.many:
-            _announce(TRAIN, len(arrays))
-            arrays = [_broadcast_batch(a) for a in arrays]
-        return self.learner.train_step([own_rows(a) for a in arrays])
+        if not self.many:
+            return self.learner.train_step(micro_batches)
+        # Refused before the announcement, which would leave the other processes waiting.
+        bad = [type(b).__name__ for b in micro_batches if not isinstance(b, PackedBatch)]
+        if bad:
+            raise TypeError(f"micro-batches must be harnessrl.data.pack.PackedBatch, got {bad}")
+        _announce(TRAIN, len(micro_batches))
+        return self.learner.train_step([own_rows(_broadcast_batch(b)) for b in micro_batches])
 
     def params_state(self) -> Any:
         self._tell(PARAMS)

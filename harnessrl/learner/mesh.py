@@ -2,31 +2,32 @@
 
 In: a mesh spec (`data=2,fsdp=4,tensor=1`, a preset name, or a `tpu_configs/*.yaml` recipe).
 Out: a `jax.sharding.Mesh` with axes (data, fsdp, tensor) and the rules that map the model's
-logical axis names onto it. Model code names only logical axes; this table is the one place
-where they meet hardware.
+logical axis names onto it. Model code names only logical axes (`harnessrl.model.sharding`);
+this table, handed in by `use_mesh`, is the one place where they meet hardware.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 import yaml
+from flax import nnx
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
+
+from harnessrl.model.sharding import logical_to_spec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
-# Rows of a packed batch are split over these mesh axes.
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
-# (logical axis, mesh axis or axes). Every logical name used in harnessrl/model appears exactly once.
-# Size-1 mesh axes make a rule a no-op, so one table serves every preset.
+# (logical axis, mesh axis or axes). Every name in harnessrl.model.sharding.LOGICAL_AXES appears
+# exactly once. Size-1 mesh axes make a rule a no-op, so one table serves every preset.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -44,7 +45,6 @@ MESH_PRESETS: dict[str, dict[str, int]] = {
     "dp": {"data": -1, "fsdp": 1, "tensor": 1},
     "fsdp": {"data": 1, "fsdp": -1, "tensor": 1},
     "fsdp_tp": {"data": 1, "fsdp": -1, "tensor": 2},
-    "serve": {"data": 1, "fsdp": 1, "tensor": -1},
 }
 
 # Slice recipes live beside the package in the source tree; a path always works too.
@@ -290,41 +290,13 @@ def init_distributed(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-def logical_to_spec(
-    logical: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
-) -> PartitionSpec:
-    """Logical names → PartitionSpec via the table.
-
-    With `shape` and `mesh`, a dimension its mesh axes do not divide stays replicated (e.g.
-    SmolLM2's 9 heads on tensor=2), and a mesh axis is used at most once per array.
-    """
-    rules = dict(LOGICAL_AXIS_RULES)
-    used: set[str] = set()
-    out: list[Any] = []
-    for i, name in enumerate(logical):
-        if name is not None and name not in rules:
-            raise ValueError(
-                f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES in "
-                f"harnessrl/learner/mesh.py (known: {sorted(rules)})"
-            )
-        target = None if name is None else rules[name]
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        axes = tuple(a for a in axes if a not in used)
-        if shape is not None and mesh is not None:
-            axes = tuple(a for a in axes if mesh.shape[a] > 1)
-            if axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
-                axes = ()
-        used.update(axes)
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*out)
-
-
-def logical_sharding(
-    mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int] | None = None
-) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(logical, shape, mesh if shape is not None else None))
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[None]:
+    """Run under `mesh` with THE rules table handed to the model (params, constraints, loads)."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_AXIS_RULES):
+        yield
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of `[rows, bucket_len]` training arrays: rows over (data, fsdp)."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+    """Sharding of `[rows, bucket_len]` training arrays: rows by the `batch` rule, over (data, fsdp)."""
+    return NamedSharding(mesh, logical_to_spec(("batch", "length"), LOGICAL_AXIS_RULES))

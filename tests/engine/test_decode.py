@@ -20,6 +20,7 @@ from harnessrl.data.pack import PackedBatch, PackItem, pack_items
 from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
 from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.losses import token_logprobs
 from harnessrl.learner.step import Learner
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
@@ -262,8 +263,9 @@ def served_and_learner_logprobs(
     """Sample completions from the real engine, pack them as the data layer does, score them.
 
     Returns the packed micro-batches (behavior_logprobs = the served logprobs), the learner's
-    `score` of each (its own logprob path: the training forward and `losses.token_logprobs`),
-    and the largest |logit| of that forward, the scale the float32 bound is relative to.
+    logprobs of each (its own logprob path: the training forward of the learner's model graph and
+    `losses.token_logprobs`, as its loss computes them), and the largest |logit| of that forward,
+    the scale the float32 bound is relative to.
     """
     from harnessrl.fleet.serving import copy_model
 
@@ -291,13 +293,15 @@ def served_and_learner_logprobs(
             )
     batches = pack_items(items, ((4, 2 * config.max_model_len),), 8).batches
     learner = Learner(copy_model(model), LearnerConfig())
-    scores = [learner.score(b) for b in batches]
     forward = jax.jit(
         lambda p, b: learner.parts.merge(p)(b["tokens"], b["positions"], b["segment_ids"])
     )
-    scale = max(
-        float(np.abs(np.asarray(forward(learner.params, b.as_dict()))).max()) for b in batches
-    )
+    logits = [forward(learner.params, b.as_dict()) for b in batches]
+    scores = [
+        np.asarray(token_logprobs(lg, jnp.asarray(b.tokens))[0])
+        for lg, b in zip(logits, batches, strict=True)
+    ]
+    scale = max(float(np.abs(np.asarray(lg)).max()) for lg in logits)
     return batches, scores, scale
 
 

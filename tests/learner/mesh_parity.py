@@ -6,9 +6,16 @@ import json
 
 import jax
 import numpy as np
-from tinylearn import flat, loss_scale, random_step, reorder_tolerance, tiny_model
+from tinylearn import (
+    GRADIENT_PROBE,
+    flat,
+    loss_scale,
+    random_step,
+    reorder_tolerance,
+    step_gradient,
+    tiny_model,
+)
 
-from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import make_mesh
 from harnessrl.learner.step import Learner
 
@@ -23,9 +30,9 @@ MESHES = {
 def main() -> None:
     assert jax.device_count() == 8, jax.devices()
     batches = random_step(seed=11, count=24, buckets=((8, 64),))
-    cfg = LearnerConfig()
+    cfg = GRADIENT_PROBE
     single = Learner(tiny_model(), cfg, mesh=make_mesh("dp", jax.devices()[:1]))
-    ref_metrics, ref_grads = single.compute_gradients(batches)
+    ref_metrics, ref_grads = step_gradient(single, batches)
     ref = flat(ref_grads)
     scale = float(np.abs(ref).max())
     out = {
@@ -39,7 +46,7 @@ def main() -> None:
     for name, spec in MESHES.items():
         learner = Learner(tiny_model(), cfg, mesh=make_mesh(spec))
         sharded = {str(s.spec) for s in jax.tree.leaves(learner.param_shardings) if any(s.spec)}
-        metrics, grads = learner.compute_gradients(batches)
+        metrics, grads = step_gradient(learner, batches)
         out["meshes"][name] = {
             "loss": metrics["loss"],
             "ref_loss": ref_metrics["loss"],

@@ -16,20 +16,17 @@ from harnessrl.learner.mesh import init_distributed, make_mesh
 
 def main(out: str) -> None:
     assert init_distributed(), "JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID unset"
-    from tinylearn import flat, random_step, rows_of, tiny_model
+    from tinylearn import GRADIENT_PROBE, flat, random_step, rows_of, step_gradient, tiny_model
 
-    from harnessrl.learner.config import LearnerConfig
     from harnessrl.learner.step import Learner
 
     pid, count = jax.process_index(), jax.process_count()
     assert count == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-    learner = Learner(
-        tiny_model(), LearnerConfig(learning_rate=1e-2), mesh=make_mesh("data=2,fsdp=2,tensor=2")
-    )
+    cfg = GRADIENT_PROBE.replace(learning_rate=1e-2)
+    learner = Learner(tiny_model(), cfg, mesh=make_mesh("data=2,fsdp=2,tensor=2"))
     batches = random_step(seed=21, count=24, buckets=((8, 64),))
     local = [rows_of(b, pid, count) for b in batches]
-    _, grads = learner.compute_gradients(local)
-    metrics = learner.train_step(local)
+    metrics, grads = step_gradient(learner, local)
     params = flat(learner.params_state())
     if pid == 0:
         np.savez(

@@ -33,7 +33,9 @@ def train(ckpt_dir: str | None, steps: int) -> Learner:
         learner.train_step(step_batches(position))
         position += 1
         learner.next_rng()  # the RNG chain is part of the checkpointed state
-        learner.maybe_save({"next_batch": position})
+        due = learner.step % CONFIG.checkpoint_every == 0  # as the train loop schedules saves
+        if learner.checkpointer is not None and due:
+            learner.save({"next_batch": position})
         print(f"step {learner.step}", flush=True)
     return learner
 

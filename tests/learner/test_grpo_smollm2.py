@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+from tinylearn import policy_logprobs
 
 from harnessrl.data.pack import PackItem, pack_items
 from harnessrl.learner.config import LearnerConfig
@@ -50,7 +51,7 @@ def _group(tokenizer):
 
 
 def _sequence_loglik(learner, batch, placements):
-    logp = learner.score(batch)
+    logp = policy_logprobs(learner, batch)
     return np.array(
         [
             float(np.sum((logp[r] * batch.loss_mask[r])[off : off + n]))
@@ -71,7 +72,7 @@ def test_one_grpo_step_moves_likelihood_with_the_advantage_sign():
     (batch,) = packed.batches
     before = _sequence_loglik(learner, batch, packed.placements)
     # On-policy: the behavior logprobs are the model's own, as a server running it would report.
-    batch = type(batch)(**{**batch.as_dict(), "behavior_logprobs": learner.score(batch)})
+    batch = type(batch)(**{**batch.as_dict(), "behavior_logprobs": policy_logprobs(learner, batch)})
     metrics = learner.train_step([batch])
     after = _sequence_loglik(learner, batch, packed.placements)
     assert metrics["clip_frac"] == 0.0 and np.isfinite(metrics["loss"])

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from tinylearn import GRADIENT_PROBE, policy_logprobs, step_gradient
 
 from harnessrl.benchmarks import learner as bench
 from harnessrl.benchmarks.model import torch_reference
+from harnessrl.data.pack import PackedBatch
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
 from harnessrl.model.config import ModelConfig
@@ -93,7 +95,7 @@ def test_cli_final_line_reports_vs_torch(tiny_folder: Path, xla_cache_dir: Path)
 def test_torch_logprobs_match_the_learner_on_packed_rows() -> None:
     model = tiny_decoder()
     batch = bench.packed_batch(2, 64, model.cfg.vocab_size)
-    ours = Learner(model, LearnerConfig()).score(batch)
+    ours = policy_logprobs(Learner(model, LearnerConfig()), PackedBatch(**batch))
     reference = torch_reference(model)
     with torch.no_grad():
         torch32 = bench.torch_logprobs(reference, batch)[0].numpy()
@@ -108,10 +110,10 @@ def test_torch_logprobs_match_the_learner_on_packed_rows() -> None:
 
 
 def test_torch_loss_gradient_matches_the_learner() -> None:
-    model, cfg = tiny_decoder(), LearnerConfig()
+    model, cfg = tiny_decoder(), GRADIENT_PROBE
     batch = near_policy_batch(model, seed=3)
     learner = Learner(model, cfg)
-    _, grads = learner.compute_gradients([batch])
+    _, grads = step_gradient(learner, [PackedBatch(**batch)])
     ours = hf_from_params(model.cfg, nnx.to_pure_dict(learner.parts.params_state(grads)))
     by_precision = {}
     for dtype in (torch.float32, torch.float64):

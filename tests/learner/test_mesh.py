@@ -11,16 +11,13 @@ from jax.sharding import PartitionSpec
 from harnessrl.learner import mesh as mesh_lib
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
+from harnessrl.model.sharding import LOGICAL_AXES, logical_to_spec
 
-MODEL_DIR = Path(mesh_lib.__file__).resolve().parents[1] / "model"
+PACKAGE_DIR = Path(mesh_lib.__file__).resolve().parents[1]
+MODEL_DIR = PACKAGE_DIR / "model"
 CLOSED_SET = {"batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers"}
-ANNOTATING_CALLS = {
-    "with_partitioning",
-    "_param",
-    "constrain",
-    "logical_to_spec",
-    "logical_sharding",
-}
+ANNOTATING_CALLS = {"with_partitioning", "_param", "constrain", "logical_to_spec"}
+RULES = mesh_lib.LOGICAL_AXIS_RULES
 
 
 def _logical_names_in_model_sources() -> set[str]:
@@ -51,16 +48,36 @@ def _logical_names_on_params() -> set[str]:
     return names
 
 
+def _harnessrl_imports(path: Path) -> set[str]:
+    """Top-level harnessrl subpackages or modules a source file imports (at any depth)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        found.update(n.split(".")[1] for n in names if n.startswith("harnessrl."))
+    return found
+
+
+def test_model_imports_nothing_above_it_and_learner_only_model():
+    """The model names logical axes; the learner owns the mesh and hands the table in."""
+    for path in MODEL_DIR.glob("*.py"):
+        assert _harnessrl_imports(path) <= {"model"}, path.name
+    for path in (PACKAGE_DIR / "learner").glob("*.py"):
+        assert _harnessrl_imports(path) <= {"learner", "model", "data"}, path.name
+
+
 def test_rules_table_has_unique_keys_and_covers_every_model_name():
-    keys = [name for name, _ in mesh_lib.LOGICAL_AXIS_RULES]
+    keys = [name for name, _ in RULES]
     assert len(keys) == len(set(keys))
     assert set(keys) <= CLOSED_SET
+    assert set(LOGICAL_AXES) == CLOSED_SET and set(keys) == set(LOGICAL_AXES)
     in_sources = _logical_names_in_model_sources()
     on_params = _logical_names_on_params()
     assert {"embed", "vocab", "layers", "heads", "mlp"} <= in_sources  # the scan found real code
     assert on_params <= in_sources
     assert in_sources <= set(keys), f"no rule for {in_sources - set(keys)}"
-    for _, target in mesh_lib.LOGICAL_AXIS_RULES:
+    for _, target in RULES:
         axes = () if target is None else (target,) if isinstance(target, str) else target
         assert set(axes) <= set(mesh_lib.MESH_AXES)
 
@@ -84,16 +101,18 @@ def test_parse_mesh_spec_presets_auto_axis_and_errors():
 
 
 def test_logical_to_spec_dedupes_axes_and_replicates_indivisible_dims():
-    assert mesh_lib.logical_to_spec(("batch", "length", "embed")) == PartitionSpec(
+    assert logical_to_spec(("batch", "length", "embed"), RULES) == PartitionSpec(
         ("data", "fsdp"), None, None
     )
-    assert mesh_lib.logical_to_spec(("vocab", "embed")) == PartitionSpec("tensor", "fsdp")
+    assert logical_to_spec(("vocab", "embed"), RULES) == PartitionSpec("tensor", "fsdp")
     devices = [jax.devices()[0]]
     mesh = mesh_lib.make_mesh("dp", devices)
     # Size-1 axes drop out entirely.
-    assert mesh_lib.logical_to_spec(("vocab", "embed"), (8, 4), mesh) == PartitionSpec(None, None)
+    assert logical_to_spec(("vocab", "embed"), RULES, (8, 4), mesh) == PartitionSpec(None, None)
     with pytest.raises(ValueError, match="'experts' has no rule"):
-        mesh_lib.logical_to_spec(("experts",))
+        logical_to_spec(("experts",), RULES)
+    # The rows of a training batch follow the table's `batch` rule.
+    assert mesh_lib.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), None)
 
 
 def test_every_slice_recipe_loads_and_is_consistent():

@@ -3,7 +3,16 @@ from __future__ import annotations
 import socket
 
 import numpy as np
-from tinylearn import EPS32, flat, loss_scale, random_step, reorder_tolerance, tiny_model
+from tinylearn import (
+    EPS32,
+    GRADIENT_PROBE,
+    flat,
+    loss_scale,
+    random_step,
+    reorder_tolerance,
+    step_gradient,
+    tiny_model,
+)
 
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
@@ -37,10 +46,9 @@ def test_two_process_global_mesh_step_matches_single_process(run_script, tmp_pat
         assert "done" in stdout
     # The same step in this (single-device) process.
     lr = 1e-2
-    learner = Learner(tiny_model(), LearnerConfig(learning_rate=lr))
+    learner = Learner(tiny_model(), GRADIENT_PROBE.replace(learning_rate=lr))
     batches = random_step(seed=21, count=24, buckets=((8, 64),))
-    _, grads = learner.compute_gradients(batches)
-    metrics = learner.train_step(batches)
+    metrics, grads = step_gradient(learner, batches)
     got = np.load(out)
     # Two processes reorder the same float32 sums (`tinylearn.reorder_tolerance`). The norms of
     # two gradients differ by at most the norm of their gap, <= sqrt(N) * max gap, plus the

@@ -4,7 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tinylearn import flat, loss_scale, random_step, reorder_tolerance, tiny_model
+from tinylearn import (
+    GRADIENT_PROBE,
+    flat,
+    loss_scale,
+    policy_logprobs,
+    random_step,
+    reorder_tolerance,
+    step_gradient,
+    tiny_model,
+)
 
 from harnessrl.data.pack import PackedBatch
 from harnessrl.learner import losses
@@ -34,19 +43,19 @@ def test_compile_count_is_constant_across_30_steps_of_random_size():
 
 
 def test_accumulated_gradient_is_the_policy_gradient_of_the_whole_step():
-    learner = Learner(tiny_model(), LearnerConfig())
+    learner = Learner(tiny_model(), GRADIENT_PROBE)
     batches = random_step(seed=3, count=24, buckets=SMALL)
     assert len(batches) >= 2
     # Behavior = learner logprobs makes every ratio 1, so the loss is -sum(w * A * logp).
     on_policy = [
-        PackedBatch(**{**b.as_dict(), "behavior_logprobs": learner.score(b).astype(np.float32)})
+        PackedBatch(**{**b.as_dict(), "behavior_logprobs": policy_logprobs(learner, b)})
         for b in batches
     ]
-    metrics, grads = learner.compute_gradients(on_policy)
-    # ratio = exp(logp_step - logp_score): two programs over the same forward, so |ratio - 1| is
+    parts, params = learner.parts, jax.device_get(learner.params)  # before the step moves them
+    metrics, grads = step_gradient(learner, on_policy)
+    # ratio = exp(logp_step - logp_probe): two programs over the same forward, so |ratio - 1| is
     # the logprob reordering gap, ~ sqrt(V)*eps = 1.3e-6 for the vocabulary sum; 1e-5 is 7x that.
     assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == pytest.approx(1.0, abs=1e-5)
-    parts = learner.parts
 
     def reference(params):
         total = 0.0
@@ -56,14 +65,15 @@ def test_accumulated_gradient_is_the_policy_gradient_of_the_whole_step():
             total = total - jnp.sum(b.token_weights * b.advantages * logp)
         return total
 
-    ref_grads = jax.jit(jax.grad(reference))(jax.device_get(learner.params))
+    ref_grads = jax.jit(jax.grad(reference))(params)
     # The same float32 sums as the learner's, grouped differently (one program per micro-batch,
     # PPO-TIS at ratio 1 vs the plain policy gradient).
     tol = reorder_tolerance(float(np.abs(flat(ref_grads)).max()), on_policy)
     assert np.abs(flat(grads) - flat(ref_grads)).max() <= tol
-    # Splitting a step into micro-batches only changes the summation order.
-    _, g0 = learner.compute_gradients(on_policy[:1])
-    _, g1 = learner.compute_gradients(on_policy[1:])
+    # Splitting a step into micro-batches only changes the summation order (fresh learners: the
+    # same starting params for each part).
+    _, g0 = step_gradient(Learner(tiny_model(), GRADIENT_PROBE), on_policy[:1])
+    _, g1 = step_gradient(Learner(tiny_model(), GRADIENT_PROBE), on_policy[1:])
     assert np.abs(flat(g0) + flat(g1) - flat(grads)).max() <= tol
 
 
@@ -82,17 +92,15 @@ def test_kl_reference_is_frozen_and_pulls_back():
 
 
 def test_bad_batches_fail_with_clear_errors():
-    learner = Learner(tiny_model(), LearnerConfig())
+    learner = Learner(tiny_model(), GRADIENT_PROBE)
     with pytest.raises(ValueError, match="at least one micro-batch"):
         learner.train_step([])
+    # The seven arrays' names, shapes and dtypes are PackedBatch's to check (tests/data/test_pack.py);
+    # anything else is refused whole.
     good = PackedBatch.zeros(8, 32).as_dict()
-    with pytest.raises(ValueError, match="missing arrays \\['advantages'\\]"):
-        learner.train_step([{k: v for k, v in good.items() if k != "advantages"}])
-    with pytest.raises(ValueError, match="'loss_mask' has shape \\(8, 16\\)"):
-        learner.train_step([{**good, "loss_mask": np.zeros((8, 16), np.float32)}])
-    with pytest.raises(TypeError, match="'tokens' has dtype float32"):
-        learner.train_step([{**good, "tokens": np.zeros((8, 32), np.float32)}])
-    with pytest.raises(TypeError, match="PackedBatch or a mapping"):
+    with pytest.raises(TypeError, match=r"must be a harnessrl\.data\.pack\.PackedBatch, got dict"):
+        learner.train_step([good])
+    with pytest.raises(TypeError, match="PackedBatch, got ndarray"):
         learner.train_step([np.zeros((8, 32))])
     assert learner.step == 0  # nothing was applied
     with pytest.raises(TypeError, match=r"NNX module.*got dict"):
@@ -101,17 +109,18 @@ def test_bad_batches_fail_with_clear_errors():
         Learner(tiny_model(), {"learning_rate": 1e-3})
     # A bad micro-batch after good ones leaves no partial gradient behind.
     batches = random_step(seed=4, count=6, buckets=SMALL)
-    with pytest.raises(ValueError, match="missing arrays"):
-        learner.compute_gradients([*batches, {"tokens": good["tokens"]}])
-    _, grads = learner.compute_gradients(batches)
-    _, fresh = Learner(tiny_model(), LearnerConfig()).compute_gradients(batches)
+    with pytest.raises(TypeError, match="PackedBatch, got dict"):
+        learner.train_step([*batches, good])
+    assert learner.step == 0
+    _, grads = step_gradient(learner, batches)
+    _, fresh = step_gradient(Learner(tiny_model(), GRADIENT_PROBE), batches)
     np.testing.assert_array_equal(flat(grads), flat(fresh))
 
 
 def test_bf16_params_compute_and_remat_train_close_to_fp32():
     batches = random_step(seed=7, count=20, buckets=SMALL)
-    m32, g32 = Learner(tiny_model(), LearnerConfig()).compute_gradients(batches)
-    cfg = LearnerConfig(compute_dtype="bfloat16", param_dtype="bfloat16", remat=True)
+    m32, g32 = step_gradient(Learner(tiny_model(), GRADIENT_PROBE), batches)
+    cfg = GRADIENT_PROBE.replace(compute_dtype="bfloat16", param_dtype="bfloat16", remat=True)
     low = Learner(tiny_model(), cfg)
     model_cfg = low.parts.merge(low.params).cfg
     assert (model_cfg.compute_dtype, model_cfg.param_dtype, model_cfg.remat) == (
@@ -120,7 +129,7 @@ def test_bf16_params_compute_and_remat_train_close_to_fp32():
         True,
     )
     assert {x.dtype for x in jax.tree.leaves(low.params)} == {jnp.dtype(jnp.bfloat16)}
-    m16, g16 = low.compute_gradients(batches)
+    m16, g16 = step_gradient(low, batches)
     # bfloat16 keeps 8 mantissa bits: each rounding of a param or activation errs by <= 2^-9
     # relative. Each of the L layers adds that to the residual stream, the backward pass walks
     # the path again (x2), and x2 for the random-walk typical case: relative error 4*L*2^-8. The
@@ -132,13 +141,13 @@ def test_bf16_params_compute_and_remat_train_close_to_fp32():
 
 def test_layer_scan_unroll_is_automatic_on_cpu_and_does_not_change_the_gradient():
     batches = random_step(seed=3, count=12, buckets=SMALL)
-    auto = Learner(tiny_model(), LearnerConfig())
+    auto = Learner(tiny_model(), GRADIENT_PROBE)
     layers = auto.parts.merge(auto.params).cfg.num_layers
     assert layers > 1 and auto.parts.merge(auto.params).cfg.scan_unroll == layers  # CPU: all
-    scanned = Learner(tiny_model(), LearnerConfig(scan_unroll=1))
+    scanned = Learner(tiny_model(), GRADIENT_PROBE.replace(scan_unroll=1))
     assert scanned.parts.merge(scanned.params).cfg.scan_unroll == 1
-    m_auto, g_auto = auto.compute_gradients(batches)
-    m_scan, g_scan = scanned.compute_gradients(batches)
+    m_auto, g_auto = step_gradient(auto, batches)
+    m_scan, g_scan = step_gradient(scanned, batches)
     # Unrolling changes only how XLA may fuse and order the same float32 sums.
     cfg = LearnerConfig()
     assert abs(m_auto["loss"] - m_scan["loss"]) <= reorder_tolerance(

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 import numpy as np
+import optax
 from flax import nnx
 
 from harnessrl.data.pack import PackedBatch, PackItem, pack_items
+from harnessrl.learner import losses
 from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.params import gather_to_host
+from harnessrl.learner.step import Learner
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 
@@ -22,6 +28,8 @@ BUCKETS: tuple[tuple[int, int], ...] = ((8, 32), (8, 64), (8, 128))
 MAX_SEGMENTS = 16
 VOCAB = 128
 EPS32 = float(np.finfo(np.float32).eps)
+# A learner whose optimizer state, after a step, holds that step's gradient (`step_gradient`).
+GRADIENT_PROBE = LearnerConfig(b1=0.0, grad_clip_norm=math.inf)
 
 
 def tiny_model(seed: int = 0) -> Decoder:
@@ -68,15 +76,39 @@ def random_step(seed: int, count: int, buckets=BUCKETS) -> list[PackedBatch]:
     return pack_items(random_items(rng, count, max_len), buckets, MAX_SEGMENTS).batches
 
 
-def rows_of(batch: PackedBatch, index: int, count: int) -> dict[str, np.ndarray]:
+def rows_of(batch: PackedBatch, index: int, count: int) -> PackedBatch:
     """Process `index` of `count`: its contiguous block of rows of a global micro-batch."""
     rows = batch.tokens.shape[0] // count
-    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.as_dict().items()}
+    return PackedBatch(
+        **{k: v[index * rows : (index + 1) * rows] for k, v in batch.as_dict().items()}
+    )
+
+
+def step_gradient(learner: Learner, batches: Sequence[PackedBatch]) -> tuple[dict, Any]:
+    """One `train_step`, then the float32 gradient it applied, read back from the optimizer.
+
+    AdamW's first moment after a step is `(1 - b1) * g + b1 * mu`: with b1 = 0 and no clipping
+    (`GRADIENT_PROBE`) it is exactly the accumulated gradient the step fed the optimizer.
+    """
+    if learner.cfg.b1 != 0.0 or math.isfinite(learner.cfg.grad_clip_norm):
+        raise ValueError("step_gradient needs a learner built with b1=0 and grad_clip_norm=inf")
+    metrics = learner.train_step(batches)
+    return metrics, gather_to_host(optax.tree.get(learner.opt_state, "mu"))
+
+
+def policy_logprobs(learner: Learner, batch: PackedBatch) -> np.ndarray:
+    """Per-token logprobs of the learner's current policy on `batch`, as its loss computes them
+    (the training forward of its own model graph, then `losses.token_logprobs`)."""
+
+    def logprobs(params: Any, arrays: dict[str, jax.Array]) -> jax.Array:
+        model = learner.parts.merge(params)
+        logits = model(arrays["tokens"], arrays["positions"], arrays["segment_ids"])
+        return losses.token_logprobs(logits, arrays["tokens"])[0]
+
+    return np.asarray(jax.jit(logprobs)(learner.params, batch.as_dict()))
 
 
 def flat(tree) -> np.ndarray:
-    import jax
-
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 

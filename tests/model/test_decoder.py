@@ -209,21 +209,23 @@ def test_bad_cache_arguments_raise() -> None:
 
 
 def test_params_carry_logical_axes_and_shard_under_a_mesh() -> None:
-    from harnessrl.learner.mesh import LOGICAL_AXIS_RULES
+    from harnessrl.model.sharding import LOGICAL_AXES
 
     model = _model()
-    names = {name for (name, _) in LOGICAL_AXIS_RULES}
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         axes = var.get_metadata()["out_sharding"]
-        assert len(axes) == var[...].ndim and set(axes) <= names
+        assert len(axes) == var[...].ndim and set(axes) <= set(LOGICAL_AXES)
+    # The mesh's owner hands in the rules: the learner's table, or any other table, which the
+    # model then follows; a mesh without rules is refused with the way to fix it.
     script = textwrap.dedent(
         """
         import jax, jax.numpy as jnp
         from flax import nnx
-        from harnessrl.learner.mesh import make_mesh
+        from harnessrl.learner.mesh import make_mesh, use_mesh
         from harnessrl.model.config import ModelConfig
         from harnessrl.model.decoder import Decoder
-        with jax.set_mesh(make_mesh("fsdp_tp")):
+        mesh = make_mesh("fsdp_tp")
+        with use_mesh(mesh):
             model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
             spec = model.layers.w_gate_ldf[...].sharding.spec
             assert tuple(spec) == (None, "fsdp", "tensor"), spec
@@ -235,6 +237,22 @@ def test_params_carry_logical_axes_and_shard_under_a_mesh() -> None:
             rebuilt = build_decoder(model.cfg, params_numpy(model))
             spec = rebuilt.layers.wq_ldhe[...].sharding.spec
             assert tuple(spec) == (None, "fsdp", "tensor", None), spec
+        swapped = [("embed", "tensor"), ("mlp", "fsdp"), ("heads", "fsdp"), ("kv_heads", None),
+                   ("head_dim", None), ("vocab", None), ("layers", None), ("batch", "data"),
+                   ("length", None)]
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(swapped):
+            other = build_decoder(model.cfg, params_numpy(model))
+            spec = other.layers.w_gate_ldf[...].sharding.spec
+            assert tuple(spec) == (None, "tensor", "fsdp"), spec
+            spec = other.layers.wq_ldhe[...].sharding.spec
+            assert tuple(spec) == (None, "tensor", "fsdp", None), spec
+        with jax.set_mesh(mesh):
+            try:
+                Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+            except ValueError as err:
+                assert "no logical-axis rules" in str(err), err
+            else:
+                raise AssertionError("a mesh without rules was accepted")
         print("ok")
         """
     )
