@@ -69,7 +69,7 @@ def _header_paths(line: str) -> tuple[str, ...]:
 
 def _section_paths(lines: list[str]) -> tuple[str, ...]:
     found: list[str] = []
-    for line in lines[1:]:
+    for line in (ln.rstrip("\n") for ln in lines[1:]):
         if line.startswith(("--- ", "+++ ")):
             path = _strip_prefix(line[4:])
             if path is not None:
@@ -78,7 +78,7 @@ def _section_paths(lines: list[str]) -> tuple[str, ...]:
             found.append(_unquote(line.split(" ", 2)[2]))
         elif line.startswith("@@") or line.startswith("GIT binary patch"):
             break
-    paths = found or list(_header_paths(lines[0]))
+    paths = found or list(_header_paths(lines[0].rstrip("\n")))
     return tuple(dict.fromkeys(p for p in paths if p))
 
 
@@ -126,7 +126,7 @@ def _reverse_meta(line: str) -> str:
         old, _, new = ids.partition("..")
         return f"index {new}..{old}{sep}{mode}\n"
     if line.startswith(HEADER):
-        paths = _header_paths(line)
+        paths = _header_paths(line.rstrip("\n"))
         old, new = (paths[0], paths[0]) if len(paths) == 1 else paths
         return f"{HEADER}a/{new} b/{old}\n"
     return line

@@ -51,9 +51,11 @@ def git(
 ) -> str:
     """Run git in `cwd` with isolated config; its stdout, or GitError with its stderr."""
     argv = ["git", "-c", "core.hooksPath=/dev/null", "-c", "core.quotePath=false", *args]
+    # surrogateescape: file bytes that are not UTF-8 survive a round trip through a diff str.
     proc = subprocess.run(
-        argv, cwd=cwd, input=stdin, capture_output=True, text=True, env=git_env(env), check=False
-    )
+        argv, cwd=cwd, input=stdin, capture_output=True, text=True, errors="surrogateescape",
+        env=git_env(env), check=False,
+    )  # fmt: skip
     if proc.returncode != 0:
         raise GitError(f"`git {' '.join(args)}` failed in {cwd}: {proc.stderr.strip()[-2000:]}")
     return proc.stdout
