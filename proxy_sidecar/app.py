@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from harnessrl.traces import open_store
-from harnessrl.traces.schema import EndpointKind
+from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
@@ -26,6 +26,7 @@ from proxy_sidecar.errors import SidecarError, error_body, send_error, send_json
 from proxy_sidecar.metrics import Metrics
 from proxy_sidecar.proxy import read_failure, response_headers, rollout_of, upstream_headers
 from proxy_sidecar.recorder import Recorder
+from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamPool
 
 from proxy_sidecar.proxy import ProxyEndpoint  # isort: skip
@@ -38,7 +39,7 @@ class Passthrough:
         self.state = state
         self.path = path
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             rollout_id = rollout_of(scope, self.state.config.default_rollout)
             _, resp = await self.state.pool.request(
@@ -61,7 +62,7 @@ class Health:
     def __init__(self, state: SidecarState) -> None:
         self.state = state
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ups = [{"url": u.url, "failures": u.failures} for u in self.state.pool.upstreams]
         body = {"status": "ok", "version": __version__, "upstreams": ups, **self.state.status()}
         await send_json(send, 200, orjson.dumps(body))
@@ -71,7 +72,7 @@ class MetricsEndpoint:
     def __init__(self, state: SidecarState) -> None:
         self.state = state
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, ctype = self.state.metrics.render()
         headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -116,14 +117,15 @@ def routes(state: SidecarState) -> list[Route]:
     return out
 
 
-def build_app(config: SidecarConfig, store: Any = None) -> Starlette:
+def build_app(config: SidecarConfig, store: TraceStore | None = None) -> Starlette:
     """The sidecar app. A `store` passed in is used as is and left open at shutdown."""
     state = SidecarState(config, store, Metrics())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        own_store = state.store is None
-        if own_store:
+        store = state.store
+        own_store = store is None
+        if store is None:
             options: dict[str, Any] = {}
             if config.store.startswith("sqlite"):
                 # Checkpoints (the step that writes the database file) on a helper thread, so a
@@ -131,7 +133,7 @@ def build_app(config: SidecarConfig, store: Any = None) -> Starlette:
                 options["background_checkpoint"] = True
                 if config.fsync:
                     options["synchronous"] = "FULL"
-            state.store = open_store(config.store, **options)
+            store = state.store = open_store(config.store, **options)
         state.pool = UpstreamPool(
             config.upstreams,
             client=config.client,
@@ -141,7 +143,7 @@ def build_app(config: SidecarConfig, store: Any = None) -> Starlette:
             eject_s=config.eject_s,
         )
         await state.pool.start()
-        state.recorder = Recorder(state.store, batch_max=config.batch_max)
+        state.recorder = Recorder(store, batch_max=config.batch_max)
         state.recorder.start()
         try:
             yield
@@ -149,7 +151,7 @@ def build_app(config: SidecarConfig, store: Any = None) -> Starlette:
             await state.recorder.stop()
             await state.pool.close()
             if own_store:
-                state.store.close()
+                store.close()
 
     app = Starlette(
         routes=routes(state),

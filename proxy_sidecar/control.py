@@ -11,12 +11,17 @@ import asyncio
 import hashlib
 import hmac
 import math
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
 
-from harnessrl.traces.schema import TERMINAL_STATES, InvalidTransition, RolloutState, UnknownRollout
+from harnessrl.traces.schema import (
+    TERMINAL_STATES,
+    InvalidTransition,
+    RolloutState,
+    TraceStore,
+    UnknownRollout,
+)
 from proxy_sidecar.budget import BodyBudget
 from proxy_sidecar.config import MODES, SidecarConfig, policy_version_error
 from proxy_sidecar.errors import (
@@ -31,18 +36,15 @@ from proxy_sidecar.errors import (
     send_json,
 )
 from proxy_sidecar.metrics import Metrics
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from proxy_sidecar.types import Receive, Scope, Send
 
 
 class SidecarState:
     """Everything a request handler needs; one per app, created at startup."""
 
-    def __init__(self, config: SidecarConfig, store: Any, metrics: Metrics) -> None:
+    def __init__(self, config: SidecarConfig, store: TraceStore | None, metrics: Metrics) -> None:
         self.config = config
-        self.store = store
+        self.store = store  # None until the app's lifespan opens the configured one
         self.metrics = metrics
         self.mode = config.mode
         self.policy_version = config.policy_version
@@ -112,6 +114,12 @@ def rollout_token(control_token: str, rollout_id: str) -> str:
     """
     message = b"harnessrl-rollout-reward\0" + rollout_id.encode()
     return hmac.new(control_token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def rollout_url(sidecar_url: str, rollout_id: str, route: str = "v1") -> str:
+    """A rollout's own address on a sidecar: `v1` is its OPENAI_BASE_URL, `reward` and `finish`
+    its rollout API. The id in the path is what ties every call to its rollout."""
+    return f"{sidecar_url}/rollouts/{rollout_id}/{route}"
 
 
 def authorize(scope: Scope, token: str | None, rollout_id: str | None = None) -> str:
@@ -297,6 +305,7 @@ class RolloutEndpoint:
 
     def _apply(self, rollout_id: str, body: dict[str, Any], caller: str) -> Any:
         store = self.state.store
+        assert store is not None, "the lifespan opens the store before any request"
         if self.action == "reward":
             reward = float(_number(body, "reward"))
             state = store.rollout(rollout_id).state if caller == "rollout" else None

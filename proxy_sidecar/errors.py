@@ -6,12 +6,11 @@ input, 502/503/504 for upstream or store trouble), sent only at the ASGI edge.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from proxy_sidecar.types import Send
 
 
 class SidecarError(Exception):
@@ -41,10 +40,6 @@ class Unauthorized(SidecarError):
 class NotFound(SidecarError):
     status = 404
     type = "not_found_error"
-
-
-class MethodNotAllowed(SidecarError):
-    status = 405
 
 
 class Conflict(SidecarError):

@@ -17,7 +17,7 @@ import orjson
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
 from proxy_sidecar.config import policy_version_error
-from proxy_sidecar.control import Receive, Scope, Send, SidecarState, read_body
+from proxy_sidecar.control import SidecarState, read_body
 from proxy_sidecar.errors import (
     BadRequest,
     NoUpstream,
@@ -26,6 +26,7 @@ from proxy_sidecar.errors import (
     UpstreamTimeout,
     send_error,
 )
+from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
 
 # Never forwarded: connection-level headers, the length we recompute, and compression (the

@@ -21,7 +21,7 @@ import queue
 import threading
 from typing import Any
 
-from harnessrl.traces.schema import CallRecord
+from harnessrl.traces.schema import CallRecord, InlineWrites, TraceStore
 from harnessrl.traces.sqlite import is_busy
 
 log = logging.getLogger("proxy_sidecar.recorder")
@@ -32,13 +32,15 @@ Pending = tuple[CallRecord, "asyncio.Future[int]"]
 
 
 class Recorder:
-    def __init__(self, store: Any, *, batch_max: int = 256) -> None:
+    def __init__(self, store: TraceStore, *, batch_max: int = 256) -> None:
         self.store = store
         self.batch_max = batch_max
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.inline = bool(getattr(store, "inline_writes", False))
+        self._inline_store: InlineWrites | None = (
+            store if isinstance(store, InlineWrites) and store.inline_writes else None
+        )
         self._pending: list[Pending] = []
         self._on_thread = 0  # records handed to the writer thread and not yet resolved
         self.commits = 0
@@ -53,7 +55,7 @@ class Recorder:
         """Durably store `call`; returns its seq. Raises what the store raised."""
         assert self._loop is not None, "Recorder.start() must run first"
         fut = self._loop.create_future()
-        if self.inline:
+        if self._inline_store is not None:
             if not self._pending:
                 self._loop.call_soon(self._flush)
             self._pending.append((call, fut))
@@ -74,8 +76,9 @@ class Recorder:
                 _resolve([fut for _, fut in batch], results)
 
     def _try_inline(self, batch: list[Pending]) -> list[Any] | None:
+        assert self._inline_store is not None  # only inline stores flush on the loop
         try:
-            seqs: list[int] | None = self.store.try_add_calls([call for call, _ in batch])
+            seqs = self._inline_store.try_add_calls([call for call, _ in batch])
         except Exception:
             return None  # nothing was written; the writer thread retries, one by one if need be
         return None if seqs is None else list(seqs)

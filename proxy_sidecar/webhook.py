@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from proxy_sidecar.control import rollout_url
+
 INJECT_LABEL = "harnessrl.io/inject"
 ROLLOUT_ANNOTATION = "harnessrl.io/rollout-id"
 INJECTED_ANNOTATION = "harnessrl.io/injected"
@@ -54,6 +56,11 @@ class SidecarSpec:
                 raise ValueError(
                     f"SidecarSpec.{name} must name a Secret, got {getattr(self, name)!r}"
                 )
+
+    @property
+    def url(self) -> str:
+        """The sidecar as the harness beside it reaches it: localhost inside the pod."""
+        return f"http://127.0.0.1:{self.port}"
 
 
 ROLLOUT_FROM_ANNOTATION = f"metadata.annotations['{ROLLOUT_ANNOTATION}']"
@@ -106,9 +113,9 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
 
 def harness_env(spec: SidecarSpec, rollout_id: str | None = None) -> list[dict[str, str]]:
     """Env that points an unchanged harness at the sidecar on localhost."""
-    path = f"/rollouts/{rollout_id}/v1" if rollout_id else "/v1"
+    base_url = rollout_url(spec.url, rollout_id) if rollout_id else f"{spec.url}/v1"
     return [
-        {"name": "OPENAI_BASE_URL", "value": f"http://127.0.0.1:{spec.port}{path}"},
+        {"name": "OPENAI_BASE_URL", "value": base_url},
         {"name": "OPENAI_API_KEY", "value": spec.api_key},
     ]
 

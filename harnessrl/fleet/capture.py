@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from proxy_sidecar.control import rollout_token
+from proxy_sidecar.control import rollout_token, rollout_url
 
 
 class Capture(Protocol):
@@ -36,7 +36,7 @@ class LocalCapture:
         self.base_url = sidecar.base_url
 
     def reward_credential(self, rollout_id: str) -> tuple[str, str]:
-        url = f"{self.sidecar.url}/rollouts/{rollout_id}/reward"
+        url = rollout_url(self.sidecar.url, rollout_id, "reward")
         return url, rollout_token(self.sidecar.token, rollout_id)
 
     @contextlib.contextmanager
@@ -64,18 +64,18 @@ class PodCapture:
                 "manifest in k8s/controller sets it)"
             )
         self.launcher = launcher
-        self.port = launcher.config.sidecar.port
+        self.sidecar_url = launcher.config.sidecar.url  # the pod's own sidecar, on localhost
         self._token = token
         self.client = client or httpx.Client(
             headers={"Authorization": f"Bearer {token}"}, timeout=150.0
         )
 
     def base_url(self, rollout_id: str) -> str:
-        return f"http://127.0.0.1:{self.port}/rollouts/{rollout_id}/v1"  # inside the pod
+        return rollout_url(self.sidecar_url, rollout_id)
 
     def reward_credential(self, rollout_id: str) -> tuple[str, str]:
         # The pod's sidecar holds the same control token (Secret harnessrl-control).
-        url = f"http://127.0.0.1:{self.port}/rollouts/{rollout_id}/reward"
+        url = rollout_url(self.sidecar_url, rollout_id, "reward")
         return url, rollout_token(self._token, rollout_id)
 
     @contextlib.contextmanager

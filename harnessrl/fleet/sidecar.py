@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from harnessrl.config import SidecarConfig
+from proxy_sidecar.control import rollout_url
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -101,7 +102,7 @@ class SidecarProcess:
 
     def base_url(self, rollout_id: str) -> str:
         """What a harness gets as OPENAI_BASE_URL for this rollout."""
-        return f"{self.url}/rollouts/{rollout_id}/v1"
+        return rollout_url(self.url, rollout_id)
 
     def control(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         r = self.client.post(f"/control/{action}", json=body or {})

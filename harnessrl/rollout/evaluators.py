@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from harnessrl.rollout.tasks import RunResult, Task
 from harnessrl.traces.schema import CallRecord, RolloutState
@@ -27,10 +27,7 @@ class Evaluation:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Evaluator(Protocol):
-    def __call__(
-        self, task: Task, result: RunResult, calls: Sequence[CallRecord]
-    ) -> Evaluation: ...
+Evaluate = Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]
 
 
 def _need_answer(task: Task, evaluator: str) -> str:
@@ -96,7 +93,7 @@ def exit_code(task: Task, result: RunResult, calls: Sequence[CallRecord] = ()) -
     return Evaluation(reward=float(result.exit_code == 0), info={"exit_code": result.exit_code})
 
 
-EVALUATORS: dict[str, Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]] = {
+EVALUATORS: dict[str, Evaluate] = {
     "exact_number": exact_number,
     "exact_match": exact_match,
     "contains": contains,
@@ -104,7 +101,7 @@ EVALUATORS: dict[str, Callable[[Task, RunResult, Sequence[CallRecord]], Evaluati
 }
 
 
-def get_evaluator(name: str) -> Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]:
+def get_evaluator(name: str) -> Evaluate:
     """A built-in evaluator by name, or a user's reward function as `module:function`."""
     if ":" in name:
         return _import_evaluator(name)
@@ -117,7 +114,7 @@ def get_evaluator(name: str) -> Callable[[Task, RunResult, Sequence[CallRecord]]
         ) from None
 
 
-def _import_evaluator(spec: str) -> Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]:
+def _import_evaluator(spec: str) -> Evaluate:
     module_name, _, attr = spec.partition(":")
     key = f"rollout.evaluator={spec!r}"
     if not module_name or not attr:

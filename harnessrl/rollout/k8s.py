@@ -22,6 +22,7 @@ import yaml
 
 from harnessrl.rollout.tasks import RunResult, RunSpec, Task, load_tasks
 from harnessrl.traces.schema import RolloutState
+from proxy_sidecar.control import rollout_url
 from proxy_sidecar.webhook import ROLLOUT_ANNOTATION, SidecarSpec, sidecar_container
 
 TASK_ANNOTATION = "harnessrl.io/task"
@@ -93,7 +94,7 @@ def _harness_container(spec: RunSpec, cfg: KubernetesLauncherConfig) -> dict[str
         for c in cfg.command
     ]
     env = {
-        "OPENAI_BASE_URL": f"http://127.0.0.1:{cfg.sidecar.port}/rollouts/{spec.rollout_id}/v1",
+        "OPENAI_BASE_URL": rollout_url(cfg.sidecar.url, spec.rollout_id),
         "OPENAI_API_KEY": cfg.sidecar.api_key,
         "HARNESSRL_ROLLOUT_ID": spec.rollout_id,
         "HARNESSRL_TASK_FILE": task_file,

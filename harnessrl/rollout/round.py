@@ -13,11 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harnessrl.rollout.evaluators import Evaluation
+from harnessrl.rollout.evaluators import Evaluate
 from harnessrl.rollout.tasks import Launcher, RunResult, RunSpec, Task
-from harnessrl.traces.schema import TERMINAL_STATES, CallRecord, RolloutRecord, RolloutState
+from harnessrl.traces.schema import (
+    TERMINAL_STATES,
+    CallRecord,
+    RolloutRecord,
+    RolloutState,
+    TraceStore,
+)
 
-Evaluate = Callable[[Task, RunResult, Sequence[CallRecord]], Evaluation]
 STDERR_TAIL = 2000  # characters of a run's stderr kept in its rollout record
 
 # What a reward the harness posted itself (POST /rollouts/{id}/reward) counts for.
@@ -96,7 +101,7 @@ def sample_tasks(tasks: Sequence[Task], k: int, seed: int, step: int) -> list[Ta
 def run_round(
     specs: list[RunSpec],
     launcher: Launcher,
-    store: Any,
+    store: TraceStore,
     evaluate: Evaluate,
     posted_reward: str = "keep",
 ) -> RoundResult:
@@ -143,7 +148,7 @@ def run_round(
 
 
 def _finish(
-    store: Any,
+    store: TraceStore,
     spec: RunSpec,
     result: RunResult,
     calls: Sequence[CallRecord],

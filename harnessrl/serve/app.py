@@ -40,6 +40,7 @@ from harnessrl.serve.generate import (
 )
 from harnessrl.serve.output import TokenText
 from harnessrl.serve.protocol import RequestError, RequestLimits, Tokenizer, tokenize_body
+from proxy_sidecar.types import Message, Receive, Scope, Send
 
 ParamsLoader = Callable[[str], Any]
 log = logging.getLogger(__name__)
@@ -51,11 +52,11 @@ class PolicyVersionHeader:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
-        async def stamped(message: dict[str, Any]) -> None:
+        async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == VERSION_HEADER for name, _ in headers):

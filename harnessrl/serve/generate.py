@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +32,8 @@ from harnessrl.serve.protocol import (
     Tokenizer,
     parse_job,
 )
+from proxy_sidecar.types import Receive, Scope, Send
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 VERSION_HEADER = b"x-harnessrl-policy-version"
 
 

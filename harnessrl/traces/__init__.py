@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from harnessrl.traces.schema import TraceStore
 
-def open_store(url: str, **options: Any) -> Any:
+
+def open_store(url: str, **options: Any) -> TraceStore:
     """Open the trace store named by `url` (options go to the store's constructor)."""
     if not isinstance(url, str):
         raise TypeError(f"url must be a string, got {type(url).__name__}")

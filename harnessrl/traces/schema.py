@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 # Policy versions are stored as 64-bit integers (SQLite INTEGER, PostgreSQL BIGINT).
 MAX_POLICY_VERSION = 2**63 - 1
@@ -154,3 +154,14 @@ class TraceStore(Protocol):
     def set_reward(self, rollout_id: str, reward: float) -> RolloutRecord: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class InlineWrites(Protocol):
+    """A store whose commits are cheap enough for an event loop, when they need not wait (SQLite)."""
+
+    inline_writes: bool  # False: commit on a thread anyway (as a network database would)
+
+    def try_add_calls(self, calls: list[CallRecord]) -> list[int] | None:
+        """`add_calls` if it commits without waiting; None, with nothing written, if it would."""
+        ...

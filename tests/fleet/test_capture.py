@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from harnessrl.fleet.capture import PodCapture
+from proxy_sidecar.webhook import SidecarSpec
 
 
 class Pods:
@@ -17,7 +18,7 @@ class Pods:
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
         self.policy_version: int | None = None
-        self.config = SimpleNamespace(sidecar=SimpleNamespace(port=8080))
+        self.config = SimpleNamespace(sidecar=SidecarSpec(port=8080))
 
     def sidecar_urls(self) -> list[str]:
         return self.urls
@@ -105,7 +106,6 @@ def test_the_reward_credential_reaches_the_harness_container_of_a_job() -> None:
     from harnessrl.rollout.k8s import HARNESS_CONTAINER, KubernetesLauncherConfig, job_manifest
     from harnessrl.rollout.round import plan_round
     from harnessrl.rollout.tasks import Task
-    from proxy_sidecar.webhook import SidecarSpec
 
     cfg = KubernetesLauncherConfig(
         image="registry.example.com/harness:1.0",
@@ -113,7 +113,7 @@ def test_the_reward_credential_reaches_the_harness_container_of_a_job() -> None:
         sidecar=SidecarSpec(upstream="http://vllm:8000"),
     )
     pods = Pods([])
-    pods.config = SimpleNamespace(sidecar=SimpleNamespace(port=cfg.sidecar.port))
+    pods.config = SimpleNamespace(sidecar=cfg.sidecar)
     pod_capture = PodCapture(pods, "secret")
     [spec] = plan_round(
         [Task("t", "p")],
