@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -89,7 +90,7 @@ class Checkpointer:
         )
         out = self._manager.restore(step, args=args)
         meta = out[META_ITEM]
-        key_data = np.asarray(meta["rng"], dtype=np.uint32)
+        key_data = jnp.asarray(meta["rng"], dtype=jnp.uint32)
         rng = jax.random.wrap_key_data(key_data, impl=meta.get("rng_impl") or None)
         state = out[STATE_ITEM]
         return Restored(

@@ -25,14 +25,13 @@ class ModelParts:
     """What stays fixed while params change: how to rebuild the module around a param dict."""
 
     graphdef: Any
-    rest: Any  # non-Param state (e.g. RoPE tables), closed over as constants
+    rest: list[Any]  # non-Param states (e.g. RoPE tables), closed over as constants
     state_treedef: Any  # tree structure of the nnx.State of Params
     logical: tuple[tuple[str | None, ...], ...]  # logical axes per leaf, in leaf order
 
     def merge(self, params: Any) -> nnx.Module:
         """Module with `params` (a dict from `split_model`) as its weights; works under jit."""
-        state = jax.tree.unflatten(self.state_treedef, jax.tree.leaves(params))
-        return nnx.merge(self.graphdef, state, self.rest)
+        return nnx.merge(self.graphdef, self.params_state(params), *self.rest)
 
     def params_state(self, params: Any) -> nnx.State:
         return jax.tree.unflatten(self.state_treedef, jax.tree.leaves(params))
@@ -60,14 +59,12 @@ def split_model(
         )
         if v is not None
     }
+    graphdef, state, *rest = nnx.split(model, nnx.Param, ...)
     cfg = getattr(model, "cfg", None)
     if changes and cfg is not None and any(getattr(cfg, k) != v for k, v in changes.items()):
-        new_cfg = cfg.replace(**changes)
-        template = nnx.eval_shape(lambda: type(model)(new_cfg, rngs=nnx.Rngs(0)))
-        graphdef, _, _ = nnx.split(template, nnx.Param, ...)
-        _, state, rest = nnx.split(model, nnx.Param, ...)
-    else:
-        graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+        build: Any = type(model)
+        template = nnx.eval_shape(lambda: build(cfg.replace(**changes), rngs=nnx.Rngs(0)))
+        graphdef = nnx.split(template, nnx.Param, ...)[0]
     variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     logical = tuple(tuple(v.get_metadata().get("out_sharding") or ()) for v in variables)
     for v, names in zip(variables, logical, strict=True):

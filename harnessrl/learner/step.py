@@ -246,7 +246,7 @@ class Learner:
 
         Every process gathers the weights; process 0 writes.
         """
-        model = self.parts.merge(gather_to_host(self.params))
+        model: Any = self.parts.merge(gather_to_host(self.params))  # export_hf checks its type
         if jax.process_index() == 0:
             export.export_hf(model, out_dir, tokenizer=tokenizer)
         return Path(out_dir)

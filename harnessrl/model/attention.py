@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from harnessrl.model.config import ModelConfig
 
@@ -102,7 +103,9 @@ def attend(
     return out_btkge.reshape(b, t, h, e)
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1, out_dtype: object = None) -> jax.Array:
+def dense(
+    x: jax.Array, w: jax.Array, contract: int = 1, out_dtype: DTypeLike | None = None
+) -> jax.Array:
     """Contract the last `contract` axes of `x` with the first ones of `w`, as one 2-D matmul.
 
     `dense(x_btd, w_dhe)` is `einsum("btd,dhe->bthe")`. Flattening [b, t] (and the weight's

@@ -241,7 +241,9 @@ class Decoder(nnx.Module):
         slots_bt = jnp.broadcast_to(first + jnp.arange(b)[:, None], (b, t))
         window = (1, b, length, cfg.num_kv_heads, cfg.head_dim)
 
-        def layer(carry: tuple[jax.Array, ...], xs: tuple) -> tuple[tuple[jax.Array, ...], None]:
+        Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+        def layer(carry: Carry, xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[Carry, None]:
             # The whole cache is the carry, so each layer's scatter updates it in place.
             x_btd, k_lbske, v_lbske = carry
             w, i = xs

@@ -55,7 +55,10 @@ def export_hf(
     tensors = hf_from_params(cfg, params_numpy(model))
     _write_safetensors(folder, tensors, max_shard_bytes)
     _write_json(folder / "config.json", cfg.to_hf_config())
-    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+    generation: dict[str, Any] = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+    }
     if tokenizer is not None:
         tokenizer.save(folder)
         generation["eos_token_id"] = list(tokenizer.eos_token_ids) or cfg.eos_token_id

@@ -1,13 +1,13 @@
 """Model stage: GGUF files → HF-named float32 tensors, a `ModelConfig` and tokenizer metadata.
 
 In: a `.gguf` path (llama, qwen2 or qwen3 architecture; any quantization the `gguf` package can
-dequantize, e.g. Q4_1, Q8_0, F16). Out: `GGUFCheckpoint` whose tensors use HF names, so the same
-mapping as HF folders (`hf_import.params_from_hf`) turns them into decoder parameters.
+dequantize, e.g. Q4_1, Q8_0, F16). Out: a `ModelConfig`, tensors with HF names (so the same
+mapping as HF folders, `hf_import.params_from_hf`, turns them into decoder parameters) and the
+file's metadata (tokenizer.*, general.*, ...).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +43,9 @@ TOP_NAMES: dict[str, str] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class GGUFCheckpoint:
-    config: ModelConfig
-    tensors: dict[str, np.ndarray]  # HF names, float32, HF layouts
-    metadata: dict[str, Any]  # every GGUF key/value (tokenizer.*, general.*, ...)
-
-
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     """All key/value fields as Python values (strings, numbers, lists)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        out[key] = field.contents()
-    return out
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def config_from_metadata(meta: dict[str, Any], has_output: bool) -> ModelConfig:
@@ -103,14 +91,8 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's permutation (HF layout → interleaved); the inverse of `unpermute_rope`."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Dequantize every tensor to float32 numpy with HF names and layouts."""
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Config, every tensor dequantized to float32 numpy with HF names and layouts, metadata."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
@@ -130,7 +112,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             n = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             w = unpermute_rope(w, n)
         tensors[hf_name] = w
-    return GGUFCheckpoint(config=cfg, tensors=tensors, metadata=meta)
+    return cfg, tensors, meta
 
 
 def _hf_name(name: str) -> str:

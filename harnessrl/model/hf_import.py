@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open
 
 from harnessrl.model.config import ModelConfig
 
-Params = dict[str, object]  # {"embed_vd": arr, "layers": {"wq_ldhe": arr, ...}, ...}
+Params = dict[str, Any]  # {"embed_vd": arr, "layers": {"wq_ldhe": arr, ...}, ...}
 
 
 def _layer_table(cfg: ModelConfig) -> list[tuple[str, str, Callable, Callable]]:

@@ -70,10 +70,8 @@ def read_checkpoint(spec: str | Path) -> Checkpoint:
         spec = smollm2_gguf_path()
     path = Path(spec)
     if path.is_file() and path.suffix == ".gguf":
-        ckpt = read_gguf(path)
-        return Checkpoint(
-            ckpt.config, ckpt.tensors, ChatTokenizer.from_gguf_metadata(ckpt.metadata)
-        )
+        cfg, tensors, meta = read_gguf(path)
+        return Checkpoint(cfg, tensors, ChatTokenizer.from_gguf_metadata(meta))
     if path.is_dir():
         cfg, tensors = read_hf_folder(path)
         tokenizer = (
@@ -100,7 +98,7 @@ def build_decoder(cfg: ModelConfig, params: Params) -> Decoder:
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     rules = None if jax.sharding.get_abstract_mesh().empty else context_rules()
-    wanted = dict(nnx.to_flat_state(state))
+    wanted: dict[tuple[Any, ...], Any] = dict(nnx.to_flat_state(state))
     given = dict(_flatten(params))
     if set(wanted) != set(given):
         raise ValueError(

@@ -70,9 +70,8 @@ class ChatTokenizer:
         self.special_tokens = special_tokens  # bos_token, eos_token, unk_token, pad_token
         self.add_bos_token = add_bos_token
         self._template = compile_chat_template(chat_template) if chat_template else None
-        eos = (
-            [self.token_id(special_tokens["eos_token"])] if special_tokens.get("eos_token") else []
-        )
+        eos_token = special_tokens.get("eos_token")
+        eos = [self.token_id(eos_token)] if eos_token else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids]))
 
     @property

@@ -18,7 +18,7 @@ from reference_bounds import assert_logits_match_reference
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.export import export_hf, params_numpy
-from harnessrl.model.gguf_import import permute_rope, unpermute_rope
+from harnessrl.model.gguf_import import unpermute_rope
 from harnessrl.model.load import LoadedModel, load_model
 
 
@@ -102,6 +102,12 @@ def test_smollm2_export_loads_in_transformers(smollm2: LoadedModel, tmp_path: Pa
     again = load_model(out)
     _assert_same_params(smollm2.model, again.model)
     assert again.tokenizer is not None and again.tokenizer.apply_chat_template(messages) == ids
+
+
+def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (HF layout → interleaved); the inverse of `unpermute_rope`."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def test_gguf_rope_permutation_round_trips() -> None:
