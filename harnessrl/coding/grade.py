@@ -35,7 +35,8 @@ class GradeConfig:
     test_timeout_s: float = 300.0  # the one test command; past it, every test counts as failed
     partial_credit: bool = False  # reward = share of FAIL_TO_PASS passing (when PASS_TO_PASS hold)
     forbidden: tuple[str, ...] = FORBIDDEN  # an added line matching one zeroes the reward
-    python_flags: tuple[str, ...] = ("-I", "-B")  # isolated mode: no PYTHON* env, no user site
+    # `python -m pytest` semantics (the repo root is importable); -s: no user site, -B: no .pyc
+    python_flags: tuple[str, ...] = ("-s", "-B")
     pytest_args: tuple[str, ...] = ()
     # Installed pytest plugins load as usual; off saves ~0.2 s per grade where tests need none
     # (the shipped set). Either way the agent cannot add one: the environment is read-only inside.

@@ -182,6 +182,7 @@ def checkout(
         raise ValueError(f"task {task.instance_id!r}: checked out {base}, not {task.base_commit}")
     test_patch = task.test_patch
     if task.kind == "swe-smith" and not test_patch:
+        cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
             test_patch = _smith_test_patch(source, task.branch, Path(scratch))
     return Checkout(dest, base, test_patch)
