@@ -25,7 +25,6 @@ def _set_device_flags(argv: list[str]) -> None:
 if __name__ == "__main__":
     _set_device_flags(sys.argv)
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
@@ -35,7 +34,9 @@ from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from harnessrl.config import TrainConfig, describe, load_config  # noqa: E402
+from harnessrl.cli import fail  # noqa: E402
+from harnessrl.config import TrainConfig  # noqa: E402
+from harnessrl.config import parse_args as parse_config  # noqa: E402
 from harnessrl.data.pipeline import StepTraces, build_step  # noqa: E402
 from harnessrl.fleet.capture import Capture, LocalCapture, PodCapture  # noqa: E402
 from harnessrl.fleet.serving import EmbeddedServing, Serving, copy_model, remote_serving  # noqa: E402
@@ -47,7 +48,7 @@ from harnessrl.model.load import load_policy  # noqa: E402
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics  # noqa: E402
 from harnessrl.rollout.builtin_tasks import addition_tasks  # noqa: E402
 from harnessrl.rollout.evaluators import get_evaluator  # noqa: E402
-from harnessrl.rollout.local import LocalLauncher, LocalLauncherConfig, parse_command  # noqa: E402
+from harnessrl.rollout.local import LocalLauncher, parse_command  # noqa: E402
 from harnessrl.rollout.round import RoundResult, plan_round, run_round, sample_tasks  # noqa: E402
 from harnessrl.rollout.tasks import Launcher, Task, load_tasks  # noqa: E402
 from harnessrl.serve.app import start_server  # noqa: E402
@@ -90,34 +91,26 @@ def load_task_sets(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
     return load_tasks(r.tasks), load_tasks(r.eval_tasks)
 
 
-def harness_command(cfg: TrainConfig) -> tuple[str, ...]:
-    text = cfg.rollout.harness.replace("{examples}", str(EXAMPLES))
-    return tuple(part.replace("{python}", sys.executable) for part in parse_command(text))
+def harness_command(cfg: TrainConfig, own: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A launcher's own argv, else rollout.harness; {python} and {examples} expanded."""
+    argv = own or parse_command(cfg.rollout.harness)
+    return tuple(
+        a.replace("{python}", sys.executable).replace("{examples}", str(EXAMPLES)) for a in argv
+    )
 
 
 def make_launcher(cfg: TrainConfig) -> Launcher:
+    """The launcher that rollout.launcher names, with its section's settings as they are."""
     r = cfg.rollout
     if r.launcher == "kubernetes":
-        from harnessrl.rollout.k8s import KubernetesLauncher, KubernetesLauncherConfig
-        from proxy_sidecar.webhook import SidecarSpec
+        from harnessrl.rollout.k8s import KubernetesLauncher
 
-        sidecar = SidecarSpec(upstream=r.servers, port=r.sidecar_port)
-        if r.sidecar_image:
-            sidecar = dataclasses.replace(sidecar, image=r.sidecar_image)
-        return KubernetesLauncher(
-            KubernetesLauncherConfig(
-                image=r.image,
-                command=harness_command(cfg),
-                namespace=r.namespace,
-                sidecar=sidecar,
-                concurrency=r.concurrency,
-            )
-        )
-    return LocalLauncher(
-        LocalLauncherConfig(
-            command=harness_command(cfg), concurrency=r.concurrency, kill_grace_s=r.kill_grace_s
-        )
-    )
+        k8s = r.kubernetes
+        sidecar = dataclasses.replace(k8s.sidecar, upstream=r.servers)
+        command = harness_command(cfg, k8s.command)
+        return KubernetesLauncher(dataclasses.replace(k8s, command=command, sidecar=sidecar))
+    command = harness_command(cfg, r.local.command)
+    return LocalLauncher(dataclasses.replace(r.local, command=command))
 
 
 def setup(cfg: TrainConfig, started: float) -> Run:
@@ -179,10 +172,13 @@ def start_capture(
 ) -> Capture:
     if cfg.rollout.launcher == "kubernetes":  # each harness pod brings its own sidecar
         return PodCapture(launcher, os.environ.get("HARNESSRL_CONTROL_TOKEN", ""))
-    sidecar = SidecarProcess(
-        upstream, store_url, cfg.sidecar, out / "sidecar.log", cfg.serve.model_name
+    wired = dataclasses.replace(
+        cfg.sidecar,
+        upstreams=tuple(upstream.split(",")),
+        store=store_url,
+        model=cfg.sidecar.model or cfg.serve.model_name,
     )
-    return LocalCapture(sidecar)
+    return LocalCapture(SidecarProcess(wired, out / "sidecar.log", cfg.run.sidecar_startup_s))
 
 
 def resume(run: Run) -> None:
@@ -422,27 +418,13 @@ def has_checkpoint(cfg: TrainConfig) -> bool:
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    parser = argparse.ArgumentParser(
-        prog="python -m harnessrl.train",
-        description=__doc__,
-        epilog="options (key=value, --key=value, or in --config YAML by section):\n" + describe(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", help="YAML file with one mapping per section")
-    parser.add_argument("--mesh", help="learner mesh: preset, data=2,fsdp=-1, or tpu_configs YAML")
-    parser.add_argument("--smoke", action="store_true", help="tiny random model, two steps (CI)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args, extra = parser.parse_known_args(argv)
-    overrides = [*args.overrides, *extra]
-    if args.mesh:
-        overrides.append(f"learner.mesh={args.mesh}")
+    prog = "python -m harnessrl.train"
+    cfg = parse_config(argv, prog, __doc__ or "")
     try:
-        cfg = load_config(args.config, overrides, smoke=args.smoke)
         get_evaluator(cfg.rollout.evaluator)  # a user's module:function must import, now
-        return cfg
     except ValueError as err:
-        parser.error(str(err))
-        raise  # parser.error exits; this keeps type checkers content
+        fail(prog, err)
+    return cfg
 
 
 def _interrupt(signum: int, frame: Any) -> None:

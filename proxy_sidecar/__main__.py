@@ -18,10 +18,7 @@ from proxy_sidecar.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        config = parse_args(argv)
-    except ValueError as err:
-        sys.exit(f"proxy_sidecar: {err}")
+    config = parse_args(argv)  # exits with the reason on a bad flag
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     listener = server_config(
         build_app(config),

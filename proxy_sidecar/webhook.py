@@ -30,14 +30,14 @@ DEFAULT_IMAGE = "ghcr.io/harnessrl/harnessrl:0.1.0"
 class SidecarSpec:
     """The capture sidecar that runs beside each harness; shared by the webhook and the launcher."""
 
-    image: str = DEFAULT_IMAGE
+    image: str = DEFAULT_IMAGE  # the capture sidecar image
     upstream: str = "http://vllm.harnessrl.svc.cluster.local:8000"  # comma-separated for several
-    port: int = 8080
+    port: int = 8080  # the sidecar's port inside each harness pod
     store_secret: str = "harnessrl-store"  # Secret whose key `url` holds the trace store DSN
     control_secret: str = "harnessrl-control"  # Secret whose key `token` guards the control API
     api_key: str = "harnessrl"  # what the harness sends; the sidecar does not check it
-    cpu: str = "250m"
-    memory: str = "256Mi"
+    cpu: str = "250m"  # sidecar CPU request
+    memory: str = "256Mi"  # sidecar memory request and limit
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image:

@@ -1,14 +1,14 @@
 """The train loop's own sidecar: `python -m proxy_sidecar` as a child process of the trainer.
 
-In: the upstream servers, the trace store URL and the sidecar config. Out: a running sidecar that
-dies with the trainer, with its control API (pause, resume, policy version) at hand.
+In: the sidecar config (upstreams, store, limits; every field passed on as a flag). Out: a running
+sidecar that dies with the trainer, with its control API (pause, resume, policy version) at hand.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
-import shlex
 import signal
 import socket
 import subprocess
@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-from harnessrl.config import SidecarConfig
+from harnessrl.cli import to_argv
+from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import rollout_url
 
 
@@ -42,32 +43,15 @@ DIE_WITH_PARENT = (
 
 
 class SidecarProcess:
-    """`python -m proxy_sidecar` in front of `upstream`, recording into `store_url`."""
+    """`python -m proxy_sidecar` run with `cfg`; port 0 picks a free one, no token a fresh one."""
 
-    def __init__(
-        self, upstream: str, store_url: str, cfg: SidecarConfig, log_path: Path, model_name: str
-    ) -> None:
-        self.token = secrets.token_hex(16)
+    def __init__(self, cfg: SidecarConfig, log_path: Path, startup_timeout_s: float = 60.0) -> None:
+        self.token = cfg.control_token or secrets.token_hex(16)
         self.port = cfg.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            sys.executable,
-            "-c",
-            DIE_WITH_PARENT,
-            str(os.getpid()),
-            "--upstream",
-            upstream,
-            "--store",
-            store_url,
-            "--port",
-            str(self.port),
-            "--model",
-            model_name,
-            "--pause-timeout-s",
-            str(cfg.pause_timeout_s),
-            "--no-call-log",
-            *shlex.split(cfg.extra_args),
-        ]
+        # Every field travels as a flag, except the token: through the environment, out of `ps`.
+        flags = to_argv(dataclasses.replace(cfg, port=self.port), skip=("control_token",))
+        argv = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *flags]
         env = dict(os.environ, HARNESSRL_CONTROL_TOKEN=self.token)
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -81,7 +65,7 @@ class SidecarProcess:
         self.client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=120.0
         )
-        self._wait_healthy(cfg.startup_timeout_s, log_path)
+        self._wait_healthy(startup_timeout_s, log_path)
 
     def _wait_healthy(self, timeout_s: float, log_path: Path) -> None:
         deadline = time.monotonic() + timeout_s

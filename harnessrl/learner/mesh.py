@@ -69,7 +69,7 @@ class SliceConfig:
     max_step_tokens: int  # token budget of one optimizer step
     compute_dtype: str
     param_dtype: str
-    remat: str
+    remat: bool  # recompute each layer's activations in the backward pass
 
     @property
     def num_devices(self) -> int:
@@ -131,11 +131,14 @@ def available_slice_configs(directory: Path = TPU_CONFIGS_DIR) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
 
 
-def _slice_path(name_or_path: str) -> Path | None:
-    path = Path(name_or_path)
+def recipe_path(spec: str) -> Path | None:
+    """The recipe file a mesh spec names (a `tpu_configs` name or a YAML path), else None."""
+    if not spec or spec in MESH_PRESETS or "=" in spec:
+        return None
+    path = Path(spec)
     if path.suffix in (".yaml", ".yml"):
         return path
-    candidate = TPU_CONFIGS_DIR / f"{name_or_path}.yaml"
+    candidate = TPU_CONFIGS_DIR / f"{spec}.yaml"
     return candidate if candidate.is_file() else None
 
 
@@ -152,8 +155,9 @@ _SLICE_TYPES: dict[str, type | tuple[type, ...]] = {
     "max_step_tokens": int,
     "compute_dtype": str,
     "param_dtype": str,
-    "remat": str,
+    "remat": bool,
 }
+SLICE_KEYS = frozenset(_SLICE_TYPES)
 
 
 def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceConfig:
@@ -161,7 +165,7 @@ def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceCon
 
     `check_devices=False` reads a recipe for another machine (docs, manifests, tests).
     """
-    path = _slice_path(name_or_path)
+    path = recipe_path(name_or_path)
     if path is None or not path.is_file():
         raise ValueError(
             f"slice config {name_or_path!r} not found; known: {available_slice_configs()} "
@@ -179,7 +183,7 @@ def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceCon
     if missing:
         raise ValueError(f"slice config {path}: missing keys {missing}")
     for key, typ in _SLICE_TYPES.items():
-        if not isinstance(raw[key], typ) or isinstance(raw[key], bool):
+        if not isinstance(raw[key], typ) or (typ is not bool and isinstance(raw[key], bool)):
             raise ValueError(
                 f"slice config {path}: {key!r} must be {typ.__name__}, got {raw[key]!r}"
             )
@@ -242,7 +246,7 @@ def _kind_matches(cfg: SliceConfig, kind: str) -> bool:
 
 def mesh_sizes(spec: str, devices: Sequence[jax.Device]) -> dict[str, int]:
     """Concrete axis sizes for `spec`: a preset, `AXIS=SIZE,...`, or a tpu_configs name/path."""
-    if spec not in MESH_PRESETS and "=" not in spec and _slice_path(spec) is not None:
+    if recipe_path(spec) is not None:
         return validate_slice(load_slice_config(spec, check_devices=False), devices)
     return parse_mesh_spec(spec, len(devices))
 

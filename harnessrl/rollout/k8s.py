@@ -6,7 +6,6 @@ failure, eviction and deadline become FAILED / TIMED_OUT, so such runs are never
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -20,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from harnessrl.cli import command_line
 from harnessrl.rollout.tasks import RunResult, RunSpec, Task, load_tasks
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.control import rollout_url
@@ -36,28 +36,27 @@ _RETRYABLE = {429, 500, 502, 503, 504}
 class KubernetesLauncherConfig:
     """How harness Jobs look and how fast they are created."""
 
-    image: str  # the harness image (unchanged harness)
-    command: tuple[str, ...]  # its command line; `{task_file}` and `{rollout_id}` expand
-    namespace: str = "harnessrl"
+    image: str = ""  # the harness image (unchanged harness); required by the launcher
+    # Its argv; `{task_file}` and `{rollout_id}` expand. Required by the launcher (the train loop
+    # fills an empty one from rollout.harness).
+    command: tuple[str, ...] = ()
+    namespace: str = "harnessrl"  # namespace of the harness Jobs
     sidecar: SidecarSpec = field(default_factory=SidecarSpec)
     concurrency: int = 64  # Jobs alive at once
     creates_per_s: float = 10.0  # creation rate limit, to spare the API server and the scheduler
     ttl_s: int = 600  # ttlSecondsAfterFinished: the cluster's own cleanup if ours never runs
     deadline_grace_s: float = 120.0  # after activeDeadlineSeconds, when we stop waiting ourselves
     keep_jobs: bool = False  # leave finished Jobs for inspection (the TTL still removes them)
-    service_account: str = "harnessrl-harness"
-    cpu: str = "1"
-    memory: str = "2Gi"
-    watch_timeout_s: int = 30
-    max_log_bytes: int = 1_000_000
+    service_account: str = "harnessrl-harness"  # of the harness pods (no API token is mounted)
+    cpu: str = "1"  # harness container CPU request
+    memory: str = "2Gi"  # harness container memory request and limit
+    watch_timeout_s: int = 30  # longest single watch of the Jobs before listing again
+    max_log_bytes: int = 1_000_000  # of each harness log read back as the run's output
 
     def __post_init__(self) -> None:
-        if not self.image:
-            raise ValueError(f"KubernetesLauncherConfig.image must be set, got {self.image!r}")
-        if not self.command or not all(isinstance(c, str) for c in self.command):
+        if not isinstance(self.command, tuple) or not all(isinstance(c, str) for c in self.command):
             raise ValueError(
-                "KubernetesLauncherConfig.command must be a non-empty list of strings, "
-                f"got {self.command!r}"
+                f"KubernetesLauncherConfig.command must be a list of strings, got {self.command!r}"
             )
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
             raise ValueError(
@@ -233,6 +232,11 @@ class KubernetesLauncher:
     def __init__(self, config: KubernetesLauncherConfig, api_client: Any = None) -> None:
         from kubernetes import client
 
+        if not config.image or not config.command:
+            raise ValueError(
+                "KubernetesLauncherConfig needs the harness image and command, got "
+                f"image={config.image!r}, command={config.command!r}"
+            )
         self.config = config
         self._api = api_client if api_client is not None else _default_api_client()
         self._batch = client.BatchV1Api(self._api)
@@ -461,29 +465,24 @@ def _default_api_client() -> Any:
     return client.ApiClient()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m harnessrl.rollout.k8s", description="Run harness tasks as Kubernetes Jobs."
-    )
-    ap.add_argument("--image", required=True, help="harness container image")
-    ap.add_argument("--command", required=True, help="harness command line; {task_file} expands")
-    ap.add_argument("--tasks", help="JSONL task file (default: one task from --prompt)")
-    ap.add_argument("--prompt", default="What is 2+3? Answer with just the number.")
-    ap.add_argument("--namespace", default="harnessrl")
-    ap.add_argument("--upstream", default=SidecarSpec.upstream)
-    ap.add_argument("--sidecar-image", default=SidecarSpec.image)
-    ap.add_argument("--timeout-s", type=float, default=600.0)
-    ap.add_argument(
-        "--dry-run", action="store_true", help="print the Job YAML of the first run and exit"
-    )
-    args = ap.parse_args(argv)
-    import shlex
+@dataclass(frozen=True)
+class JobsCommand:
+    """`python -m harnessrl.rollout.k8s`: run tasks as Jobs and print each result as JSON."""
 
-    cfg = KubernetesLauncherConfig(
-        image=args.image,
-        command=tuple(shlex.split(args.command)),
-        namespace=args.namespace,
-        sidecar=SidecarSpec(image=args.sidecar_image, upstream=args.upstream),
+    jobs: KubernetesLauncherConfig = field(default_factory=KubernetesLauncherConfig)
+    tasks: str = ""  # JSONL task file; "": one task from --prompt
+    prompt: str = "What is 2+3? Answer with just the number."  # the one task when --tasks is ""
+    timeout_s: float = 600.0  # per run (the Job's activeDeadlineSeconds)
+    dry_run: bool = False  # print the Job YAML of the first run and exit
+
+
+def main(argv: list[str] | None = None) -> int:
+    args: JobsCommand = command_line(
+        JobsCommand(),
+        sys.argv[1:] if argv is None else argv,
+        prog="python -m harnessrl.rollout.k8s",
+        doc=JobsCommand.__doc__ or "",
+        required=("jobs.image", "jobs.command"),
     )
     tasks = load_tasks(args.tasks) if args.tasks else [Task("cli-0", args.prompt)]
     specs = [
@@ -491,9 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         for t in tasks
     ]
     if args.dry_run:
-        sys.stdout.write(job_yaml(specs[0], cfg))
+        sys.stdout.write(job_yaml(specs[0], args.jobs))
         return 0
-    for r in KubernetesLauncher(cfg).run(specs):
+    for r in KubernetesLauncher(args.jobs).run(specs):
         print(
             json.dumps(
                 {

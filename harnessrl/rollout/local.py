@@ -25,20 +25,21 @@ from harnessrl.traces.schema import RolloutState
 
 @dataclass(frozen=True)
 class LocalLauncherConfig:
-    """How harness processes are started and bounded."""
+    """How harness processes are started on this machine and bounded."""
 
-    command: tuple[str, ...]  # the harness command line; `{task_file}` and `{rollout_id}` expand
-    concurrency: int = 8
+    # The harness argv; `{task_file}` and `{rollout_id}` expand. Required by the launcher (the
+    # train loop fills an empty one from rollout.harness).
+    command: tuple[str, ...] = ()
+    concurrency: int = 8  # harness processes at once
     prompt_on_stdin: bool = True  # the prompt is always in env and file; also on stdin if set
     kill_grace_s: float = 2.0  # after TERM, how long the process group gets before KILL
-    api_key: str = "harnessrl"
+    api_key: str = "harnessrl"  # the harness's OPENAI_API_KEY (the sidecar does not check it)
     max_output_chars: int = 1_000_000  # per stream; longer output is cut (and says so)
 
     def __post_init__(self) -> None:
-        if not self.command or not all(isinstance(c, str) for c in self.command):
+        if not isinstance(self.command, tuple) or not all(isinstance(c, str) for c in self.command):
             raise ValueError(
-                f"LocalLauncherConfig.command must be a non-empty list of strings, "
-                f"got {self.command!r}"
+                f"LocalLauncherConfig.command must be a list of strings, got {self.command!r}"
             )
         if self.concurrency < 1:
             raise ValueError(
@@ -67,6 +68,8 @@ class LocalLauncher:
         env: dict[str, str] | None = None,
         on_start: Callable[[RunSpec], None] | None = None,
     ) -> None:
+        if not config.command:
+            raise ValueError("LocalLauncherConfig.command is empty: give the harness command line")
         self.config = config
         self._base_env = dict(os.environ if env is None else env)
         self._on_start = on_start

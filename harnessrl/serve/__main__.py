@@ -7,63 +7,33 @@ so the first request does not compile); Ctrl-C stops it.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import uvicorn
 
+from harnessrl.cli import command_line, fail
 from harnessrl.listener import server_config
 from harnessrl.serve.config import ServeConfig
 
-
-def _parse_value(name: str, text: str, default: Any) -> Any:
-    try:
-        if isinstance(default, bool):
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
-        if isinstance(default, int):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-        if isinstance(default, tuple):
-            return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"--{name.replace('_', '-')}: cannot read {text!r}"
-        ) from err
-    return text
+PROG = "python -m harnessrl.serve"
 
 
-def parse_args(argv: list[str], env: dict[str, str] | None = None) -> ServeConfig:
+def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServeConfig:
     """Flags named after `ServeConfig` fields (`--num-slots 8`, `--prefill-buckets 16,64,256`)."""
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.serve", description=__doc__)
-    for field in dataclasses.fields(ServeConfig):
-        default = field.default
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        if field.name == "admin_token":
-            shown = "$HARNESSRL_ADMIN_TOKEN, else none (then only loopback hosts are allowed)"
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}",
-            dest=field.name,
-            default=default,
-            type=lambda text, n=field.name, d=default: _parse_value(n, text, d),
-            help=f"default: {shown}",
-        )
-    args = parser.parse_args(argv)
-    if args.port == 0:
-        parser.error("--port must be a fixed port for a foreground server")
-    env = dict(os.environ) if env is None else env
-    args.admin_token = args.admin_token or env.get("HARNESSRL_ADMIN_TOKEN", "")
-    try:
-        return ServeConfig(**vars(args))
-    except ValueError as err:
-        parser.error(str(err))
-        raise
+    config: ServeConfig = command_line(
+        ServeConfig(),
+        argv,
+        prog=PROG,
+        doc=__doc__ or "",
+        env=os.environ if env is None else env,
+        env_keys={"admin_token": "HARNESSRL_ADMIN_TOKEN"},
+    )
+    if config.port == 0:
+        fail(PROG, "--port must be a fixed port for a foreground server")
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from harnessrl.listener import HttpLimits
 
@@ -29,13 +29,13 @@ class ServeConfig:
     and a slot copy: these fields fix the compile count.
     """
 
-    model: str = "smollm2"
+    model: str = "smollm2"  # smollm2 | HF folder | .gguf path | tiny (random weights, smoke runs)
     served_model_name: str = ""  # empty: the `model` spec
-    host: str = "127.0.0.1"
-    port: int = 8000
-    num_slots: int = 8
-    max_model_len: int = 2048
-    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    host: str = "127.0.0.1"  # interface to bind; off loopback an admin token is required
+    port: int = 8000  # 0 picks a free one (embedded server only)
+    num_slots: int = 8  # KV-cache rows: requests decoded together
+    max_model_len: int = 2048  # longest prompt + completion in tokens
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)  # prompt chunk sizes compiled for prefill
     # Cache lengths a decode step attends over (the smallest that covers every live sequence);
     # empty: powers of two from 128, then max_model_len.
     decode_buckets: tuple[int, ...] = ()
@@ -46,11 +46,12 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20  # request body; larger gets 413
     max_header_bytes: int = 64 << 10  # request line + headers; larger gets 431
     read_timeout_s: float = 30.0  # deadline of a request's headers, longest pause in its body
-    admin_token: str = field(default="", repr=False)  # /admin/* bearer token; needed off loopback
+    # /admin/* bearer token (or HARNESSRL_ADMIN_TOKEN); needed off loopback
+    admin_token: str = field(default="", repr=False)
     seed: int = 0  # base of the keys of requests without a seed
-    policy_version: int = 0
-    warmup: bool = True
-    log_level: str = "warning"
+    policy_version: int = 0  # version reported before the first swap
+    warmup: bool = True  # compile every serving program before accepting requests
+    log_level: str = "warning"  # uvicorn log level
 
     def __post_init__(self) -> None:
         for name in ("port", "num_slots", "max_model_len", "max_waiting"):
@@ -136,7 +137,3 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))

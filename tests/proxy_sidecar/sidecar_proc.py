@@ -62,7 +62,7 @@ def start_sidecar(
             f"sqlite:///{db}",
             "--port",
             str(port),
-            "--no-call-log",
+            "--log-calls=false",
             *args,
         ],
         stdout=subprocess.DEVNULL,

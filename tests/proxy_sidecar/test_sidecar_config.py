@@ -6,7 +6,10 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from harnessrl.cli import to_argv
 from proxy_sidecar.__main__ import main
 from proxy_sidecar.config import SidecarConfig, parse_args
 
@@ -30,7 +33,8 @@ def test_parse_args_defaults_and_env() -> None:
             "--mode",
             "eval",
             "--fsync",
-            "--no-call-log",
+            "--log-calls",
+            "false",
             "--control-token",
             "x",
         ],
@@ -101,10 +105,14 @@ def test_non_loopback_bind_is_fine_with_a_token() -> None:
     assert SidecarConfig(host="0.0.0.0", control_token="t").host == "0.0.0.0"
 
 
-def test_main_refuses_unsafe_bind(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_refuses_unsafe_bind(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv("HARNESSRL_CONTROL_TOKEN", raising=False)
-    with pytest.raises(SystemExit, match="control-token"):
+    with pytest.raises(SystemExit) as exc:
         main(["--upstream", "http://a:1", "--host", "0.0.0.0"])
+    assert exc.value.code == 2
+    assert "--host '0.0.0.0' is not loopback: set --control-token" in capsys.readouterr().err
 
 
 def test_drain_timeout_is_bounded(sidecar: Any) -> None:
@@ -115,3 +123,37 @@ def test_drain_timeout_is_bounded(sidecar: Any) -> None:
         is True
     )
     httpx.post(sidecar.url + "/control/resume")
+
+
+SAFE_TEXT = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30)
+# Exponent floats and infinities: JSON writes them in forms YAML 1.1 would read as strings.
+EDGES = st.sampled_from([1e-05, 2.5e300, -0.0, float("inf"), float("-inf")])
+NUMBERS = EDGES | st.floats(allow_nan=False) | st.integers(-(2**40), 2**40) | st.booleans()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ports=st.lists(st.integers(1, 65535), min_size=1, max_size=3),
+    store=SAFE_TEXT,
+    port=st.integers(0, 65535),
+    default_rollout=SAFE_TEXT.filter(lambda s: s and "/" not in s),
+    mode=st.sampled_from(["train", "eval"]),
+    model=st.none() | SAFE_TEXT.filter(lambda s: s.strip().lower() not in ("none", "null")),
+    overrides=st.dictionaries(st.text("abcdefghij_", min_size=1, max_size=8), NUMBERS, max_size=4),
+    policy_version=st.none() | st.integers(0, 2**63 - 1),
+    pause_timeout_s=st.floats(1e-9, 1e12),
+    retries=st.integers(0, 9),
+    fsync=st.booleans(),
+    log_calls=st.booleans(),
+)
+def test_every_field_survives_the_command_line(
+    ports: list[int], overrides: dict[str, Any], **fields: Any
+) -> None:
+    """What the train loop's SidecarProcess passes (`to_argv`) parses back to the same config."""
+    config = SidecarConfig(
+        upstreams=tuple(f"http://h{i}:{p}" for i, p in enumerate(ports)),
+        train_overrides=overrides,
+        eval_overrides={"temperature": 0.0, **overrides},
+        **fields,
+    )
+    assert parse_args(to_argv(config, skip=("control_token",)), env={}) == config

@@ -239,13 +239,41 @@ def test_names_and_labels_are_valid_for_any_id() -> None:
 
 def test_bad_config_is_rejected_with_the_field_name() -> None:
     with pytest.raises(ValueError, match="image"):
-        KubernetesLauncherConfig(image="", command=("h",))
+        KubernetesLauncher(KubernetesLauncherConfig(image="", command=("h",)), api_client=object())
+    with pytest.raises(ValueError, match="command"):
+        KubernetesLauncher(KubernetesLauncherConfig(image="i"), api_client=object())
+    with pytest.raises(ValueError, match="command must be a list of strings"):
+        KubernetesLauncherConfig(image="i", command=("h", 3))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="namespace"):
         KubernetesLauncherConfig(image="i", command=("h",), namespace="Bad_NS")
     with pytest.raises(ValueError, match="concurrency"):
         KubernetesLauncherConfig(image="i", command=("h",), concurrency=0)
     with pytest.raises(ValueError, match="creates_per_s"):
         KubernetesLauncherConfig(image="i", command=("h",), creates_per_s=0)
+
+
+def test_cli_flags_are_the_launcher_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from harnessrl.rollout.k8s import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--command", "h {task_file}"])
+    assert exc.value.code == 2 and "--image is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--dry-run", "--image", "reg/h:1", "--ttl-s", "soon", "--command", "h"])
+    assert "--ttl-s must be int, got 'soon'" in capsys.readouterr().err
+    argv = ["--dry-run", "--image=reg/h:1", "--command", "h --task {task_file}", "--ttl-s", "60",
+            "--namespace", "team-a", "--sidecar.image", "reg/sc:2", "--upstream", "http://v:8000",
+            "--memory", "3Gi", "--timeout-s", "90"]  # fmt: skip
+    assert main(argv) == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    pod = job["spec"]["template"]["spec"]
+    (harness,) = pod["containers"]
+    assert harness["command"] == ["h", "--task", "/var/run/harnessrl/task.json"]
+    assert harness["resources"]["limits"]["memory"] == "3Gi"
+    assert (job["metadata"]["namespace"], job["spec"]["ttlSecondsAfterFinished"]) == ("team-a", 60)
+    assert job["spec"]["activeDeadlineSeconds"] == 90
+    (sidecar,) = pod["initContainers"]
+    assert sidecar["image"] == "reg/sc:2" and "http://v:8000" in sidecar["args"]
 
 
 def test_dry_run_prints_a_valid_job() -> None:

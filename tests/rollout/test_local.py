@@ -193,8 +193,10 @@ def test_stop_kills_live_runs() -> None:
 
 
 def test_bad_config_names_the_field() -> None:
-    with pytest.raises(ValueError, match="command"):
-        LocalLauncherConfig(command=())
+    with pytest.raises(ValueError, match="command is empty"):
+        LocalLauncher(LocalLauncherConfig(command=()))
+    with pytest.raises(ValueError, match="command must be a list of strings"):
+        LocalLauncherConfig(command=("x", None))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="concurrency"):
         LocalLauncherConfig(command=("x",), concurrency=0)
     with pytest.raises(ValueError, match="kill_grace_s"):

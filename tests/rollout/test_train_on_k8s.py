@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import yaml
 
-from harnessrl.config import SidecarConfig
 from harnessrl.fleet.sidecar import SidecarProcess, free_port
 from harnessrl.model.load import load_policy
 from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 from harnessrl.traces import open_store
+from proxy_sidecar.config import SidecarConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,12 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
     serve = ServeConfig(port=0, num_slots=4, max_model_len=256, prefill_buckets=(64, 128))
     server = start_server(model, tokenizer, serve)
     log = tmp_path / "sidecar.log"
-    sidecar = SidecarProcess(server.url, pg_dsn, SidecarConfig(), log, serve.model_name)
+    sidecar = SidecarProcess(
+        SidecarConfig(
+            upstreams=(server.url,), store=pg_dsn, port=0, model=serve.model_name, log_calls=False
+        ),
+        log,
+    )
     out = tmp_path / "run"
     try:
         with fake.FakeKube(lambda job: fake.Outcome("run", 0.0), pod_ip="127.0.0.1") as kube:
@@ -86,9 +91,9 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
             )
             argv = [
                 sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}",
-                "rollout.launcher=kubernetes", "rollout.image=registry.example.com/harness:1",
+                "rollout.launcher=kubernetes", "rollout.kubernetes.image=registry.example.com/harness:1",
                 f"rollout.store={pg_dsn}", f"rollout.servers={server.url}",
-                "rollout.weight_sync=embedded", f"rollout.sidecar_port={sidecar.port}",
+                "rollout.weight_sync=embedded", f"rollout.kubernetes.sidecar.port={sidecar.port}",
                 f"rollout.harness={HARNESS}",
             ]  # fmt: skip
             procs = [
@@ -138,10 +143,13 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
 def test_kubernetes_launcher_needs_a_shared_store_and_servers() -> None:
     from harnessrl.config import load_config
 
-    base = ["rollout.launcher=kubernetes", "rollout.image=registry.example.com/harness:1"]
+    base = [
+        "rollout.launcher=kubernetes",
+        "rollout.kubernetes.image=registry.example.com/harness:1",
+    ]
     with pytest.raises(ValueError, match=r"rollout.store=postgresql://"):
         load_config(None, base)
     with pytest.raises(ValueError, match=r"needs rollout.servers"):
         load_config(None, [*base, "rollout.store=postgresql://u@db/traces"])
-    with pytest.raises(ValueError, match=r"needs rollout.image"):
+    with pytest.raises(ValueError, match=r"needs rollout.kubernetes.image"):
         load_config(None, ["rollout.launcher=kubernetes"])

@@ -18,7 +18,6 @@ import pytest
 import uvicorn
 from probes import body_of, connect, read_until_closed, status_of
 
-from harnessrl.config import SidecarConfig as TrainSidecarConfig
 from harnessrl.fleet.sidecar import SidecarProcess
 from harnessrl.listener import HttpLimits, limited_protocol, server_config
 from proxy_sidecar.app import build_app
@@ -119,13 +118,14 @@ def test_keep_alive_connection_gets_a_fresh_deadline_per_request(bounded_server)
 
 
 def test_the_sidecar_process_refuses_an_oversized_head(bounded_server, tmp_path):
-    sidecar = SidecarProcess(
-        bounded_server.url,
-        f"sqlite:///{tmp_path / 'traces.db'}",
-        TrainSidecarConfig(),
-        tmp_path / "sidecar.log",
-        "tiny",
+    config = SidecarConfig(
+        upstreams=(bounded_server.url,),
+        store=f"sqlite:///{tmp_path / 'traces.db'}",
+        port=0,
+        model="tiny",
+        log_calls=False,
     )
+    sidecar = SidecarProcess(config, tmp_path / "sidecar.log")
     try:
         _huge_head_is_refused(sidecar.url, HttpLimits().max_header_bytes)
         assert _endless_head_is_cut_short(sidecar.url) < 32 << 20
