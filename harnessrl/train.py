@@ -37,7 +37,7 @@ from typing import Any  # noqa: E402
 from harnessrl.cli import fail  # noqa: E402
 from harnessrl.config import TrainConfig  # noqa: E402
 from harnessrl.config import parse_args as parse_config  # noqa: E402
-from harnessrl.data.pipeline import StepTraces, build_step  # noqa: E402
+from harnessrl.data.pipeline import StepTraces, build_step, read_traces  # noqa: E402
 from harnessrl.fleet.capture import Capture, LocalCapture, PodCapture  # noqa: E402
 from harnessrl.fleet.serving import EmbeddedServing, Serving, copy_model, remote_serving  # noqa: E402
 from harnessrl.fleet.sidecar import SidecarProcess  # noqa: E402
@@ -224,8 +224,8 @@ def collect(run: Run, step: int) -> RoundResult:
 
 def step_traces(run: Run, rollouts: RoundResult) -> tuple[StepTraces, dict[str, float]]:
     """The round's runs and calls; runs whose calls lag more than max_staleness are dropped."""
-    records = [rec for g in rollouts.group_ids for rec in run.store.rollouts(g)]
-    calls = {rec.rollout_id: run.store.calls(rec.rollout_id) for rec in records}
+    traces = read_traces(run.store, rollouts.group_ids)
+    records, calls = traces.rollouts, traces.calls
     # Policy versions a call lags behind the learner (the sidecar records who served each call).
     lags = {
         rid: [run.learner.step - c.policy_version for c in cs if c.policy_version is not None]

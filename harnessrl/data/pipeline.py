@@ -1,18 +1,15 @@
-"""From a step's traces to this process's packed micro-batches, as a checkpointable grain pipeline.
+"""From a step's traces to this process's packed micro-batches.
 
-In: a `StepSource` (step index -> finished rollouts and their calls), e.g. `store_source` over a
-`TraceStore`. Out: one `StepBatch` per optimizer step: the micro-batches for this data-parallel
-shard plus counters and break diagnoses.
+In: `StepTraces` (finished rollouts and their calls), e.g. `read_traces` from a `TraceStore`.
+Out: one `StepBatch` per optimizer step: the micro-batches for this data-parallel shard plus
+counters and break diagnoses.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import grain
 
 from harnessrl.data.advantages import Estimator, compute_advantages
 from harnessrl.data.diagnose import BreakDiagnosis, Decoder
@@ -96,9 +93,6 @@ class StepTraces:
     calls: dict[str, list[CallRecord]]
 
 
-StepSource = Callable[[int], StepTraces]
-
-
 @dataclass
 class StepStats:
     runs: int = 0
@@ -126,14 +120,10 @@ class StepBatch:
     breaks: list[BreakDiagnosis]
 
 
-def store_source(store: TraceStore, groups_for_step: Callable[[int], Sequence[str]]) -> StepSource:
-    """A `StepSource` reading the runs of the given groups (and their calls) from a trace store."""
-
-    def read(step: int) -> StepTraces:
-        rollouts = [r for g in groups_for_step(step) for r in store.rollouts(g)]
-        return StepTraces(rollouts, {r.rollout_id: store.calls(r.rollout_id) for r in rollouts})
-
-    return read
+def read_traces(store: TraceStore, group_ids: Sequence[str]) -> StepTraces:
+    """The runs of these groups and each run's calls, as the store holds them now."""
+    rollouts = [r for g in group_ids for r in store.rollouts(g)]
+    return StepTraces(rollouts, {r.rollout_id: store.calls(r.rollout_id) for r in rollouts})
 
 
 def _merge_runs(
@@ -173,6 +163,10 @@ def build_step(
 ) -> StepBatch:
     """Every process builds the whole step the same way (denominators are step-wide), then keeps
     its own share of the micro-batches."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(
+            f"need 0 <= process_index < process_count, got {process_index}/{process_count}"
+        )
     stats = StepStats(runs=len(traces.rollouts))
     adv = compute_advantages(
         traces.rollouts,
@@ -206,51 +200,3 @@ def build_step(
     stats.micro_batches = len(mine)
     stats.padding_micro_batches = sum(1 for b in mine if b.num_tokens == 0)
     return StepBatch(step, mine, stats, breaks)
-
-
-def step_dataset(
-    source: StepSource,
-    steps: Sequence[int],
-    cfg: DataConfig,
-    *,
-    process_index: int = 0,
-    process_count: int = 1,
-    decode: Decoder | None = None,
-) -> grain.MapDataset:
-    """A grain dataset whose element i is the `StepBatch` of `steps[i]` for this process.
-
-    Sharding happens inside each step, not across steps: grain's record sharding would hand
-    whole steps to different hosts, but every host must run every optimizer step.
-    """
-    if not 0 <= process_index < process_count:
-        raise ValueError(
-            f"need 0 <= process_index < process_count, got {process_index}/{process_count}"
-        )
-
-    def build(step: int) -> StepBatch:
-        return build_step(
-            step,
-            source(step),
-            cfg,
-            process_index=process_index,
-            process_count=process_count,
-            decode=decode,
-        )
-
-    return grain.MapDataset.source(list(steps)).map(build)
-
-
-def step_iterator(
-    dataset: grain.MapDataset, state: dict[str, Any] | None = None
-) -> grain.DatasetIterator:
-    """Iterate a `step_dataset`; `iterator.get_state()` is the checkpoint, `state` restores it.
-
-    No threads and no prefetch: in on-policy training step k's traces only exist once its runs
-    have finished, so reading ahead would read an incomplete step.
-    """
-    it = dataset.to_iter_dataset(
-        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-    ).__iter__()
-    if state is not None:
-        it.set_state(state)
-    return it

@@ -10,14 +10,7 @@ from trace_factory import GeneratedRun, agent_step, make_call, make_run
 
 from harnessrl.data.merge import merge_calls
 from harnessrl.data.pack import PackItem, pack_items, unpack_items
-from harnessrl.data.pipeline import (
-    DataConfig,
-    StepTraces,
-    build_step,
-    step_dataset,
-    step_iterator,
-    store_source,
-)
+from harnessrl.data.pipeline import DataConfig, StepTraces, build_step, read_traces
 from harnessrl.data.plan import Bucket
 from harnessrl.data.weights import token_weights
 from harnessrl.traces.schema import RolloutState
@@ -123,16 +116,6 @@ def test_truncate_policy_counts_what_it_cuts():
     assert batch.stats.split_sequences == 0
 
 
-class _MemorySource:
-    def __init__(self, steps: dict[int, StepTraces]) -> None:
-        self.steps = steps
-        self.reads: list[int] = []
-
-    def __call__(self, step: int) -> StepTraces:
-        self.reads.append(step)
-        return self.steps[step]
-
-
 def _step_traces(step: int) -> StepTraces:
     rewards = [1.0, 0.0, float(step % 2)]
     runs = [make_run(f"s{step}-{k}", f"s{step}", r) for k, r in enumerate(rewards)]
@@ -143,44 +126,25 @@ def _step_traces(step: int) -> StepTraces:
     return StepTraces(runs, calls)
 
 
-def test_grain_iterator_resumes_from_its_checkpointed_state():
-    source = _MemorySource({s: _step_traces(s) for s in range(5)})
-    ds = step_dataset(source, range(5), DataConfig())
-    it = step_iterator(ds)
-    assert [next(it).step for _ in range(2)] == [0, 1]
-    state = it.get_state()
-    expected = next(it)
-    resumed = step_iterator(step_dataset(source, range(5), DataConfig()), state)
-    again = next(resumed)
-    assert again.step == expected.step == 2
-    for a, b in zip(again.micro_batches, expected.micro_batches, strict=True):
-        assert all(
-            np.array_equal(x, y)
-            for x, y in zip(a.as_dict().values(), b.as_dict().values(), strict=True)
-        )
-    assert [s.step for s in resumed] == [3, 4]
-    assert source.reads == [0, 1, 2, 2, 3, 4]  # no read-ahead: step k is read when asked for
-
-
-def test_grain_pipeline_shards_by_process():
-    source = _MemorySource({0: _step_traces(0)})
+def test_a_step_is_sharded_by_process():
+    traces = _step_traces(0)
     shards = [
-        step_dataset(
-            source,
-            [0],
+        build_step(
+            0,
+            traces,
             DataConfig(buckets=((1, 8),), split_overlap=4),
             process_index=i,
             process_count=2,
-        )[0]
+        )
         for i in range(2)
     ]
     assert [len(s.micro_batches) for s in shards] == [2, 2]
     assert shards[1].stats.padding_micro_batches == 1
     with pytest.raises(ValueError, match="process_index"):
-        step_dataset(source, [0], DataConfig(), process_index=2, process_count=2)
+        build_step(0, traces, DataConfig(), process_index=2, process_count=2)
 
 
-def test_sqlite_store_feeds_the_pipeline(tmp_path):
+def test_sqlite_store_feeds_the_step(tmp_path):
     from harnessrl.traces.sqlite import SQLiteTraceStore
 
     traces = _step_traces(3)
@@ -193,9 +157,7 @@ def test_sqlite_store_feeds_the_pipeline(tmp_path):
                 store.add_call(call)
             store.transition(run.rollout_id, RolloutState.SUCCEEDED)
             store.set_reward(run.rollout_id, run.reward)
-        from_store = step_dataset(
-            store_source(store, lambda step: [f"s{step}"]), [3], DataConfig()
-        )[0]
+        from_store = build_step(3, read_traces(store, ["s3"]), DataConfig())
     finally:
         store.close()
     direct = build_step(3, traces, DataConfig())
