@@ -7,54 +7,67 @@ HF export of the final weights. The loop: rollouts → rewards → packed arrays
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
+import signal
 import sys
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
+import jax
+
+from harnessrl.cli import fail
+from harnessrl.config import TrainConfig
+from harnessrl.config import parse_args as parse_config
+from harnessrl.data.pipeline import StepTraces, build_step, read_traces
+from harnessrl.fleet import (
+    Capture,
+    EmbeddedServing,
+    LocalCapture,
+    PodCapture,
+    Serving,
+    SidecarProcess,
+    copy_model,
+    remote_serving,
+)
+from harnessrl.learner.hosts import LeadLearner, follow
+from harnessrl.learner.mesh import init_distributed
+from harnessrl.learner.step import Learner
+from harnessrl.model.load import load_policy
+from harnessrl.report import MetricsLog, plot_rewards, read_metrics
+from harnessrl.rollout import (
+    Launcher,
+    LocalLauncher,
+    RoundResult,
+    Task,
+    addition_tasks,
+    get_evaluator,
+    load_tasks,
+    parse_command,
+    plan_round,
+    run_round,
+    sample_tasks,
+)
+from harnessrl.serve.app import start_server
+from harnessrl.traces import TraceStore, open_store
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SMOKE_DEVICES = 2  # the smoke run's sharded update spans this many simulated CPU devices
 
 
 def _set_device_flags(argv: list[str]) -> None:
-    # XLA reads its flags once, when JAX starts: this must run before anything imports jax.
+    # XLA reads its flags when the first device is touched, so main() runs this first. Importing
+    # jax (and this module) touches none; tests/test_train.py keeps it that way.
     if "--smoke" in argv:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             flag = f"--xla_force_host_platform_device_count={SMOKE_DEVICES}"
             os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
-
-
-if __name__ == "__main__":
-    _set_device_flags(sys.argv)
-
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from harnessrl.cli import fail  # noqa: E402
-from harnessrl.config import TrainConfig  # noqa: E402
-from harnessrl.config import parse_args as parse_config  # noqa: E402
-from harnessrl.data.pipeline import StepTraces, build_step, read_traces  # noqa: E402
-from harnessrl.fleet.capture import Capture, LocalCapture, PodCapture  # noqa: E402
-from harnessrl.fleet.serving import EmbeddedServing, Serving, copy_model, remote_serving  # noqa: E402
-from harnessrl.fleet.sidecar import SidecarProcess  # noqa: E402
-from harnessrl.learner.hosts import LeadLearner, follow  # noqa: E402
-from harnessrl.learner.mesh import init_distributed  # noqa: E402
-from harnessrl.learner.step import Learner  # noqa: E402
-from harnessrl.model.load import load_policy  # noqa: E402
-from harnessrl.report import MetricsLog, plot_rewards, read_metrics  # noqa: E402
-from harnessrl.rollout.builtin_tasks import addition_tasks  # noqa: E402
-from harnessrl.rollout.evaluators import get_evaluator  # noqa: E402
-from harnessrl.rollout.local import LocalLauncher, parse_command  # noqa: E402
-from harnessrl.rollout.round import RoundResult, plan_round, run_round, sample_tasks  # noqa: E402
-from harnessrl.rollout.tasks import Launcher, Task, load_tasks  # noqa: E402
-from harnessrl.serve.app import start_server  # noqa: E402
-from harnessrl.traces import open_store  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @dataclasses.dataclass
@@ -63,7 +76,7 @@ class Run:
 
     cfg: TrainConfig
     out: Path
-    store: Any
+    store: TraceStore
     learner: LeadLearner  # on multi-process runs, every call is made by all processes
     serving: Serving  # the embedded server, or remote servers fed through shared storage
     capture: Capture  # this process's sidecar, or the sidecars of the harness pods
@@ -148,8 +161,6 @@ def make_learner(cfg: TrainConfig, model: Any) -> Learner:
 
 def follow_leader(cfg: TrainConfig) -> int:
     """Processes > 0 of a multi-process learner: hold shards, make process 0's learner calls."""
-    import jax
-
     model, _ = load_policy(cfg.serve.model, seed=cfg.run.seed)
     print(f"process {jax.process_index()}: following process 0", flush=True)
     steps = follow(make_learner(cfg, model))
@@ -206,20 +217,26 @@ def teardown(run: Run) -> None:
 # ---- one step ------------------------------------------------------------------------------------
 
 
-def collect(run: Run, step: int) -> RoundResult:
-    """The step's rollouts: tasks_per_step tasks × group_size runs, scored and in the store."""
+def play(run: Run, tasks: list[Task], prefix: str, runs_per_task: int) -> RoundResult:
+    """One round: runs_per_task runs of each task through the capture, scored and in the store."""
     r = run.cfg.rollout
-    tasks = sample_tasks(run.train_tasks, r.tasks_per_step, run.cfg.run.seed, step)
     specs = plan_round(
         tasks,
-        prefix=f"s{step}-{run.nonce}",
-        runs_per_task=r.group_size,
+        prefix=f"{prefix}-{run.nonce}",
+        runs_per_task=runs_per_task,
         base_url=run.capture.base_url,
         timeout_s=r.timeout_s,
         attempt=int(run.position["attempt"]),
         reward=run.capture.reward_credential,
     )
     return run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator), r.posted_reward)
+
+
+def collect(run: Run, step: int) -> RoundResult:
+    """The step's rollouts: tasks_per_step tasks × group_size runs."""
+    r = run.cfg.rollout
+    tasks = sample_tasks(run.train_tasks, r.tasks_per_step, run.cfg.run.seed, step)
+    return play(run, tasks, f"s{step}", r.group_size)
 
 
 def step_traces(run: Run, rollouts: RoundResult) -> tuple[StepTraces, dict[str, float]]:
@@ -287,18 +304,8 @@ def swap_weights(run: Run) -> float:
 
 def evaluate(run: Run, step: int) -> float:
     """Held-out reward: every eval task, eval_runs_per_task runs, failed runs counted as 0."""
-    r = run.cfg.rollout
     run.log.phase(f"eval at step {step}")
-    specs = plan_round(
-        run.eval_tasks,
-        prefix=f"e{step}-{run.nonce}",
-        runs_per_task=r.eval_runs_per_task,
-        base_url=run.capture.base_url,
-        timeout_s=r.timeout_s,
-        attempt=int(run.position["attempt"]),
-        reward=run.capture.reward_credential,
-    )
-    result = run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator), r.posted_reward)
+    result = play(run, run.eval_tasks, f"e{step}", run.cfg.rollout.eval_runs_per_task)
     reward = result.reward_mean(failed_as=0.0)
     run.last_eval_s = result.duration_s
     run.log.log(
@@ -404,8 +411,6 @@ def finish(run: Run) -> str:
 
 def clear_outputs(out: Path) -> None:
     """A fresh start: remove a previous run's outputs in out_dir (never anything else)."""
-    import shutil
-
     for name in ("metrics.jsonl", "reward.png", "traces.db", "traces.db-wal", "traces.db-shm"):
         (out / name).unlink(missing_ok=True)
     for name in ("tb", "checkpoints", "hf"):
@@ -436,8 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _set_device_flags(argv)
     cfg = parse_args(argv)
-    import jax
-
     init_distributed()  # multi-process learners: before anything touches a device
     if jax.process_index() > 0:
         return follow_leader(cfg)

@@ -273,3 +273,18 @@ def test_time_budget_makes_the_step_that_cannot_be_followed_the_last() -> None:
     assert not time_for_two(run_with(18.0, 16.5, 30.0), 3, loop_start)
     assert "step 4 is the last" in printed[-1] and "run.max_minutes=18" in printed[-1]
     assert time_for_two(run_with(0.0, 500.0, 30.0), 3, loop_start)  # 0: no budget
+
+
+def test_importing_the_trainer_touches_no_device() -> None:
+    """main() sets the smoke run's XLA flags after the imports, so they must not have started XLA."""
+    code = (
+        "import os, harnessrl.train, jax\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'\n"
+        "print(jax.device_count())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "3"

@@ -10,6 +10,8 @@ from typing import Any
 
 from harnessrl.traces.schema import TraceStore
 
+__all__ = ["TraceStore", "open_store"]
+
 
 def open_store(url: str, **options: Any) -> TraceStore:
     """Open the trace store named by `url` (options go to the store's constructor)."""
