@@ -134,14 +134,7 @@ def build_app(config: SidecarConfig, store: TraceStore | None = None) -> Starlet
                 if config.fsync:
                     options["synchronous"] = "FULL"
             store = state.store = open_store(config.store, **options)
-        state.pool = UpstreamPool(
-            config.upstreams,
-            client=config.client,
-            connect_timeout_s=config.connect_timeout_s,
-            read_timeout_s=config.read_timeout_s,
-            retries=config.retries,
-            eject_s=config.eject_s,
-        )
+        state.pool = UpstreamPool(config)
         await state.pool.start()
         state.recorder = Recorder(store, batch_max=config.batch_max)
         state.recorder.start()

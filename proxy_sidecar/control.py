@@ -205,18 +205,21 @@ async def _drop_body(receive: Receive, allowance: int) -> None:
             return
 
 
-async def read_json(scope: Scope, receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
-    """A control request's JSON object body (empty body: {})."""
-    raw = await read_body(scope, receive, limit)
-    if not raw.strip():
-        return {}
+def parse_object(raw: bytes | bytearray) -> dict[str, Any]:
+    """A request body that must be one JSON object; BadRequest says why it is not."""
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        raise BadRequest(f"body is not valid JSON: {err}") from err
+        raise BadRequest(f"request body is not valid JSON: {err}") from err
     if not isinstance(value, dict):
-        raise BadRequest(f"body must be a JSON object, got {type(value).__name__}")
+        raise BadRequest(f"request body must be a JSON object, got {type(value).__name__}")
     return value
+
+
+async def read_json(scope: Scope, receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
+    """A control request's JSON object body (empty body: {})."""
+    raw = await read_body(scope, receive, limit)
+    return parse_object(raw) if raw.strip() else {}
 
 
 def _number(body: dict[str, Any], key: str, *, integer: bool = False) -> Any:

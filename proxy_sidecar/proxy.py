@@ -17,7 +17,7 @@ import orjson
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
 from proxy_sidecar.config import policy_version_error
-from proxy_sidecar.control import SidecarState, read_body
+from proxy_sidecar.control import SidecarState, parse_object, read_body
 from proxy_sidecar.errors import (
     BadRequest,
     NoUpstream,
@@ -111,16 +111,6 @@ def read_failure(err: UpstreamFailure) -> SidecarError:
     return NoUpstream(f"upstream failed while answering: {err}")
 
 
-def parse_request(raw: bytes | bytearray) -> dict[str, Any]:
-    try:
-        request = orjson.loads(raw)
-    except orjson.JSONDecodeError as err:
-        raise BadRequest(f"request body is not valid JSON: {err}") from err
-    if not isinstance(request, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(request).__name__}")
-    return request
-
-
 class ProxyEndpoint:
     """Pure-ASGI handler of one OpenAI route (chat or completions)."""
 
@@ -141,7 +131,7 @@ class ProxyEndpoint:
         size = len(raw)
         try:  # the body's bytes stay taken from the budget until the call is done
             try:
-                request = parse_request(raw)
+                request = parse_object(raw)
                 del raw  # from here on the parsed copy is all the call needs
                 rollout_id = rollout_of(scope, state.config.default_rollout)
                 await state.enter()

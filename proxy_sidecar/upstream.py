@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.errors import BadRequest, NoUpstream, UpstreamTimeout
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -112,22 +113,10 @@ class UpstreamResponse:
 class UpstreamPool:
     """The upstream servers of this sidecar and the client that talks to them."""
 
-    def __init__(
-        self,
-        urls: tuple[str, ...],
-        *,
-        client: str = "aiohttp",
-        connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 600.0,
-        retries: int = 2,
-        eject_s: float = 10.0,
-    ) -> None:
-        self.upstreams = [Upstream(u.rstrip("/").removesuffix("/v1")) for u in urls]
-        self.client_kind = client
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.retries = retries
-        self.eject_s = eject_s
+    def __init__(self, config: SidecarConfig) -> None:
+        """Its upstreams, client kind, timeouts, retries and ejection time come from `config`."""
+        self.config = config
+        self.upstreams = [Upstream(u.removesuffix("/v1")) for u in config.upstreams]
         self._client: Any = None
         self._fresh: Any = None
         self.stale_retries = 0
@@ -139,7 +128,8 @@ class UpstreamPool:
         self._fresh = self._make_client(pooled=False)
 
     def _make_client(self, *, pooled: bool) -> Any:
-        if self.client_kind == "aiohttp":
+        cfg = self.config
+        if cfg.client == "aiohttp":
             return aiohttp.ClientSession(
                 # Idle connections are dropped before common servers' 5 s keep-alive (uvicorn,
                 # so vLLM) closes them, which keeps stale-connection races rare.
@@ -147,14 +137,14 @@ class UpstreamPool:
                 if pooled
                 else aiohttp.TCPConnector(limit=0, force_close=True),
                 timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+                    total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             )
         return httpx.AsyncClient(
             timeout=httpx.Timeout(
-                connect=self.connect_timeout_s, read=self.read_timeout_s, write=60, pool=None
+                connect=cfg.connect_timeout_s, read=cfg.read_timeout_s, write=60, pool=None
             ),
             limits=httpx.Limits(
                 max_connections=None,
@@ -184,7 +174,7 @@ class UpstreamPool:
 
     def eject(self, upstream: Upstream) -> None:
         upstream.failures += 1
-        upstream.ejected_until = time.monotonic() + self.eject_s
+        upstream.ejected_until = time.monotonic() + self.config.eject_s
 
     async def request(
         self,
@@ -197,7 +187,7 @@ class UpstreamPool:
         """Send to the rollout's upstream, falling over to others; nothing is sent to the client."""
         last = ""
         timed_out = False
-        tries = self.candidates(rollout_id)[: self.retries + 1]
+        tries = self.candidates(rollout_id)[: self.config.retries + 1]
         for i, upstream in enumerate(tries):
             try:
                 try:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from fake_vllm import FakeVLLM, ServerThread, free_port
 
+from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.upstream import UpstreamPool
 
 CHAT = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -84,7 +85,7 @@ def test_all_upstreams_down_gives_502_json_and_a_failed_record(make_sidecar: Any
 
 
 def test_ejected_upstream_is_tried_again_later() -> None:
-    pool = UpstreamPool(("http://a:1", "http://b:1/v1"), eject_s=0.05)
+    pool = UpstreamPool(SidecarConfig(upstreams=("http://a:1", "http://b:1/v1"), eject_s=0.05))
     assert {u.url for u in pool.upstreams} == {"http://a:1", "http://b:1"}
     first = pool.candidates("roll")[0]
     pool.eject(first)
@@ -176,7 +177,7 @@ def test_both_client_libraries_proxy_and_capture(fake: Any, make_sidecar: Any, c
 
 
 def test_pool_before_start_fails_cleanly() -> None:
-    pool = UpstreamPool(("http://127.0.0.1:9",), retries=0)
+    pool = UpstreamPool(SidecarConfig(upstreams=("http://127.0.0.1:9",), retries=0))
 
     async def go() -> None:
         await pool.request("r", "GET", "/v1/models", [], None)
@@ -206,7 +207,8 @@ def test_a_connection_dropped_under_the_request_is_retried_once_on_the_same_upst
     async def go() -> tuple[int, bytes, UpstreamPool]:
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        pool = UpstreamPool((f"http://127.0.0.1:{port}",), client=client, retries=0)
+        config = SidecarConfig(upstreams=(f"http://127.0.0.1:{port}",), client=client, retries=0)
+        pool = UpstreamPool(config)
         await pool.start()
         _, resp = await pool.request("r", "POST", "/v1/chat/completions", [], b"{}")
         body = await resp.read()
