@@ -90,7 +90,7 @@ def test_reverse_patch_undoes_any_text_edit_under_git_apply(
     assert _tree(repo) == {"f.txt": before, "deleted.txt": "bye\n"}
 
 
-def test_reverse_patch_swaps_modes_and_refuses_binary(tmp_path):
+def test_reverse_patch_swaps_modes_and_renames_and_refuses_binary(tmp_path):
     repo = _repo(tmp_path, {"run.sh": "echo\n"})
     (repo / "run.sh").chmod(0o755)
     git(repo, "add", "-A")
@@ -98,6 +98,20 @@ def test_reverse_patch_swaps_modes_and_refuses_binary(tmp_path):
     git(repo, "commit", "-q", "-m", "exec")
     apply_patch(repo, reverse_patch(forward), what="reversed mode change")
     assert not (repo / "run.sh").stat().st_mode & 0o111
+    body = "".join(f"echo {i}\n" for i in range(10))
+    (repo / "run.sh").write_text(body)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "longer")
+    git(repo, "mv", "run.sh", "start.sh")
+    (repo / "start.sh").write_text(body + "echo again\n")
+    git(repo, "add", "-A")
+    renamed = git(repo, "diff", "--cached", "-M")
+    assert "rename from run.sh" in renamed
+    git(repo, "commit", "-q", "-m", "rename")
+    apply_patch(repo, reverse_patch(renamed), what="reversed rename")
+    assert _tree(repo) == {"run.sh": body}
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "back")
     (repo / "blob.bin").write_bytes(bytes(range(256)))
     git(repo, "add", "-A")
     with pytest.raises(ValueError, match="binary"):
