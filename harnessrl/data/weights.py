@@ -23,17 +23,6 @@ class LossMode(enum.StrEnum):
     CONSTANT = "constant"  # every token weighs 1/C (Dr.GRPO); sum = sampled tokens / C
 
 
-def expected_total(
-    mode: LossMode | str, sequences: Sequence[MergedSequence], constant: float
-) -> float:
-    """What the weights of a step sum to under `mode` (the definition the tests check)."""
-    if not sequences:
-        return 0.0
-    if LossMode(mode) == LossMode.CONSTANT:
-        return sum(s.num_sampled for s in sequences) / constant
-    return 1.0
-
-
 def token_weights(
     sequences: Sequence[MergedSequence],
     mode: LossMode | str = LossMode.TOKEN_MEAN,

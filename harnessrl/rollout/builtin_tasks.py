@@ -1,15 +1,14 @@
 """The built-in task set: small additions a 135M model gets right only sometimes.
 
 In: a seed and split sizes. Out: deterministic, disjoint train and held-out eval task lists
-(and JSONL files of them) for the `exact_number` evaluator.
+for the `exact_number` evaluator (`save_tasks` writes them as JSONL).
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-from harnessrl.rollout.tasks import Task, save_tasks
+from harnessrl.rollout.tasks import Task
 
 PROMPT = "What is {a}+{b}? Answer with just the number."
 
@@ -40,12 +39,3 @@ def addition_tasks(
     ]
     # Eval first so that growing n_train never changes which tasks are held out.
     return tasks[n_eval:], tasks[:n_eval]
-
-
-def write_addition_tasks(
-    out_dir: str | Path, n_train: int, n_eval: int, seed: int = 0
-) -> tuple[Path, Path]:
-    """Write `train.jsonl` and `eval.jsonl` under `out_dir`; returns both paths."""
-    train, held_out = addition_tasks(n_train, n_eval, seed=seed)
-    out = Path(out_dir)
-    return save_tasks(train, out / "train.jsonl"), save_tasks(held_out, out / "eval.jsonl")

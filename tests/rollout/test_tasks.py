@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.rollout.builtin_tasks import addition_tasks, write_addition_tasks
+from harnessrl.rollout.builtin_tasks import addition_tasks
 from harnessrl.rollout.tasks import RunSpec, Task, load_tasks, save_tasks
 
 
@@ -75,8 +75,10 @@ def test_addition_tasks_bad_sizes() -> None:
         addition_tasks(0, 5)
 
 
-def test_write_addition_tasks(tmp_path: Path) -> None:
-    train_path, eval_path = write_addition_tasks(tmp_path, 10, 5, seed=1)
+def test_addition_tasks_saved_as_jsonl(tmp_path: Path) -> None:
+    train, held_out = addition_tasks(10, 5, seed=1)
+    train_path = save_tasks(train, tmp_path / "train.jsonl")
+    eval_path = save_tasks(held_out, tmp_path / "eval.jsonl")
     assert len(load_tasks(train_path)) == 10 and len(load_tasks(eval_path)) == 5
     first = json.loads(eval_path.read_text().splitlines()[0])
     assert set(first) == {"task_id", "prompt", "answer", "meta"}
