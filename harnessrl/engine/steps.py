@@ -48,8 +48,8 @@ class DeviceSteps:
         self.config = config
         self.vocab_size = cfg.vocab_size
         # Params are swappable; the rest (RoPE tables) is fixed for the life of the engine.
-        self.graphdef, state, rest = nnx.split(model, nnx.Param, ...)
-        self._rest = jax.tree.map(jnp.asarray, rest)
+        self.graphdef, state, *rest = nnx.split(model, nnx.Param, ...)
+        self._rest = jax.tree.map(jnp.asarray, rest[0])
         # Commit every device input to an explicit placement: jit keys its executables on
         # committed-ness too, and jit outputs (the cache after a step, swapped params) are committed.
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
@@ -110,7 +110,7 @@ class DeviceSteps:
         this counts jit's executable caches (falling back to traces if jax lacks the hook)."""
         programs = (self._decode, self._prefill, self._copy, self._first)
         if all(hasattr(p, "_cache_size") for p in programs):
-            return sum(p._cache_size() for p in programs)
+            return sum(p._cache_size() for p in programs)  # type: ignore[attr-defined]
         return self.traces
 
     # ---- traced functions -------------------------------------------------------------------

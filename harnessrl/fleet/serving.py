@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from flax import nnx
 from harnessrl.fleet.weight_sync import EmbeddedSync, VLLMSync, VLLMSyncConfig, WeightSync
 from harnessrl.serve.app import ServerHandle
 
+M = TypeVar("M", bound=nnx.Module)
 KEEP_EXPORTS = 2  # the served version and the one before it: a server mid-reload still finds it
 
 
@@ -31,7 +32,7 @@ class Serving(Protocol):
     def stop(self) -> None: ...
 
 
-def copy_model(model: nnx.Module) -> nnx.Module:
+def copy_model(model: M) -> M:
     """The same module on fresh buffers, so the learner's donated updates never touch the server."""
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))

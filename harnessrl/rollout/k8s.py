@@ -239,8 +239,10 @@ class KubernetesLauncher:
             )
         self.config = config
         self._api = api_client if api_client is not None else _default_api_client()
-        self._batch = client.BatchV1Api(self._api)
-        self._core = client.CoreV1Api(self._api)
+        # Any: with _preload_content=False the client answers raw urllib3 responses, which its
+        # type hints call models.
+        self._batch: Any = client.BatchV1Api(self._api)
+        self._core: Any = client.CoreV1Api(self._api)
         self._next_create = 0.0
         # The train loop sets this after each weight push; new Jobs' sidecars start with it.
         self.policy_version: int | None = None

@@ -122,7 +122,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             )
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text reaches a text-only model
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            texts: list[Any] = [p.get("text") for p in content if isinstance(p, dict)]
             if any(p.get("type") != "text" for p in content if isinstance(p, dict)) or not all(
                 isinstance(t, str) for t in texts
             ):
