@@ -47,7 +47,7 @@ class RunConfig:
 
     out_dir: str = "runs/default"  # metrics, checkpoints, traces, plot and HF export go here
     steps: int = 15  # optimizer steps
-    seed: int = 0  # task sampling; a bare `seed=N` sets run, serve and learner seeds together
+    seed: int = 0  # task sampling; a bare `seed=N` sets run and serve seeds together
     loop: str = "sync"  # sync: rollouts → update → swap; async: next rollouts overlap the update
     # async: most policy versions a trained sample may lag behind (0: only runs whose every call
     # came after the swap are trained)
@@ -190,7 +190,7 @@ SMOKE: dict[str, Any] = {
 }
 
 # Bare keys that set several fields at once.
-ALIASES: dict[str, tuple[str, ...]] = {"seed": ("run.seed", "serve.seed", "learner.seed")}
+ALIASES: dict[str, tuple[str, ...]] = {"seed": ("run.seed", "serve.seed")}
 
 # Fields the loop sets from other settings, so that the two can never disagree.
 WIRED: dict[str, str] = {
@@ -224,7 +224,6 @@ HELP: dict[str, str] = {
     "learner.keep_checkpoints": "checkpoints kept on disk",
     "learner.checkpoint_every": "save every N steps (and always at the end)",
     "learner.async_checkpoint": "write checkpoints in the background",
-    "learner.seed": "learner RNG seed",
     "learner.eps_low": "PPO clip: lower epsilon of the importance ratio",
     "learner.mesh": "preset, data=2,fsdp=-1,tensor=1, or a tpu_configs recipe (applied whole)",
 }

@@ -118,7 +118,7 @@ def test_the_loop_sets_the_wiring_itself() -> None:
 
 def test_seed_alias_sets_every_seed() -> None:
     cfg = load_config(overrides=["seed=5"])
-    assert cfg.run.seed == cfg.serve.seed == cfg.learner.seed == 5
+    assert cfg.run.seed == cfg.serve.seed == 5
 
 
 def test_smoke_preset_and_overrides_on_top() -> None:

@@ -12,13 +12,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 STATE_ITEM = "state"  # params + optimizer state (sharded arrays)
-META_ITEM = "meta"  # JSON: step, rng key data, data position
+META_ITEM = "meta"  # JSON: step, data position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +23,6 @@ class Restored:
     params: Any
     opt_state: Any
     step: int
-    rng: jax.Array
     data_position: Any
 
 
@@ -53,16 +49,9 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def save(
-        self, step: int, params: Any, opt_state: Any, rng: jax.Array, data_position: Any = None
-    ) -> None:
+    def save(self, step: int, params: Any, opt_state: Any, data_position: Any = None) -> None:
         """Start writing step `step`; returns once the arrays are copied off the device."""
-        meta = {
-            "step": int(step),
-            "rng": np.asarray(jax.random.key_data(rng)).tolist(),
-            "rng_impl": str(jax.random.key_impl(rng)),
-            "data_position": data_position,
-        }
+        meta = {"step": int(step), "data_position": data_position}
         state = {"params": params, "opt_state": opt_state}
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
@@ -90,14 +79,11 @@ class Checkpointer:
         )
         out = self._manager.restore(step, args=args)
         meta = out[META_ITEM]
-        key_data = jnp.asarray(meta["rng"], dtype=jnp.uint32)
-        rng = jax.random.wrap_key_data(key_data, impl=meta.get("rng_impl") or None)
         state = out[STATE_ITEM]
         return Restored(
             params=state["params"],
             opt_state=state["opt_state"],
             step=int(meta["step"]),
-            rng=rng,
             data_position=meta["data_position"],
         )
 

@@ -46,7 +46,6 @@ class LearnerConfig:
     keep_checkpoints: int = 3
     checkpoint_every: int = 10
     async_checkpoint: bool = True
-    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "param_dtype"):

@@ -89,7 +89,6 @@ class Learner:
         self._grads = self._zeros(self.params)
         self._sums = jax.device_put(losses.zero_metrics(), self._replicated)
         self.step = 0
-        self.rng = jax.random.key(cfg.seed)
         self.checkpointer = (
             Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.async_checkpoint)
             if cfg.checkpoint_dir
@@ -207,18 +206,13 @@ class Learner:
         )
         return out
 
-    def next_rng(self) -> jax.Array:
-        """A fresh key for host-side randomness; the chain is checkpointed with the params."""
-        self.rng, key = jax.random.split(self.rng)
-        return key
-
     # ---- checkpoints and export --------------------------------------------------------------
 
     def save(self, data_position: Any = None) -> None:
         """Checkpoint the current step (async when configured); `data_position` is JSON."""
         if self.checkpointer is None:
             raise ValueError("save() needs LearnerConfig.checkpoint_dir to be set")
-        self.checkpointer.save(self.step, self.params, self.opt_state, self.rng, data_position)
+        self.checkpointer.save(self.step, self.params, self.opt_state, data_position)
 
     def restore(self, step: int | None = None) -> Any:
         """Load the latest (or given) checkpoint in place; returns its data position."""
@@ -230,7 +224,7 @@ class Learner:
             step,
         )
         self.params, self.opt_state = restored.params, restored.opt_state
-        self.step, self.rng = restored.step, restored.rng
+        self.step = restored.step
         return restored.data_position
 
     def close(self) -> None:

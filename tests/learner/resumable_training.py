@@ -32,7 +32,6 @@ def train(ckpt_dir: str | None, steps: int) -> Learner:
     while learner.step < steps:
         learner.train_step(step_batches(position))
         position += 1
-        learner.next_rng()  # the RNG chain is part of the checkpointed state
         due = learner.step % CONFIG.checkpoint_every == 0  # as the train loop schedules saves
         if learner.checkpointer is not None and due:
             learner.save({"next_batch": position})
@@ -43,8 +42,7 @@ def train(ckpt_dir: str | None, steps: int) -> Learner:
 def main(ckpt_dir: str, steps: int, out: str) -> None:
     learner = train(ckpt_dir, steps)
     learner.close()
-    key = np.asarray(__import__("jax").random.key_data(learner.rng))
-    np.savez(out, params=flat(learner.params_state()), opt=flat(learner.opt_state), rng=key)
+    np.savez(out, params=flat(learner.params_state()), opt=flat(learner.opt_state))
 
 
 if __name__ == "__main__":
