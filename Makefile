@@ -30,12 +30,19 @@ train: $(VENV)/.installed-base
 smoke: $(VENV)/.installed-base
 	$(PY) -m harnessrl.train --smoke
 
+# The whole suite runs under coverage: the capture path and the trace stores must stay >= 95%
+# covered (checked only when PYTEST_ARGS does not narrow the run).
+COVERED := proxy_sidecar/*,harnessrl/traces/*
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m coverage run -m pytest -q $(PYTEST_ARGS)
+	$(if $(PYTEST_ARGS),,$(PY) -m coverage report --include='$(COVERED)' --skip-covered --fail-under=95)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

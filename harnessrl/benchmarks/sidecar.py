@@ -42,7 +42,7 @@ def upstream_bodies() -> tuple[bytes, bytes]:
     content = [_token(i, t) for i, t in enumerate(COMPLETION)]
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": "".join(c["token"] for c in content)},
+        "message": {"role": "assistant", "content": "".join(f"t{t}" for t in COMPLETION)},
         "logprobs": {"content": content},
         "finish_reason": "length",
         "token_ids": COMPLETION,
@@ -90,7 +90,7 @@ def serve_upstream(port: int) -> None:
     full, sse = upstream_bodies()
     sse_events = [e + b"\n\n" for e in sse.split(b"\n\n") if e]
 
-    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+    async def app(scope, receive, send):
         if scope["type"] != "http":
             return
         body = b""

