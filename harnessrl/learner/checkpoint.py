@@ -1,6 +1,6 @@
 """Learner stage: checkpoints through orbax's CheckpointManager (async writes, keep-N).
 
-In: the learner's sharded params and optimizer state plus a small JSON record (step, RNG key,
+In: the learner's sharded params and optimizer state plus a small JSON record (step,
 data-iterator position). Out: a step directory per save; restore returns arrays placed on the
 shardings the caller asks for. A save interrupted by a crash is never picked up by restore:
 orbax commits a step only once every file is written.
