@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from harnessrl.cli import command_line
-from harnessrl.traces.schema import MAX_POLICY_VERSION
+from harnessrl.traces.schema import policy_version_error
 
 MODES = ("train", "eval")
 CLIENTS = ("aiohttp", "httpx")
@@ -83,8 +83,9 @@ class SidecarConfig:
         for name in ("pause_timeout_s", "connect_timeout_s", "read_timeout_s", "eject_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.policy_version is not None and policy_version_error(self.policy_version):
-            raise ValueError(f"policy_version {policy_version_error(self.policy_version)}")
+        error = None if self.policy_version is None else policy_version_error(self.policy_version)
+        if error:
+            raise ValueError(f"policy_version {error}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries!r}")
         if self.host not in LOOPBACK_HOSTS and not self.control_token:
@@ -95,19 +96,6 @@ class SidecarConfig:
 
     def overrides(self, mode: str) -> dict[str, Any]:
         return self.train_overrides if mode == "train" else self.eval_overrides
-
-
-def policy_version_error(value: object) -> str | None:
-    """Why `value` cannot be a policy version, or None if it can.
-
-    The trace stores keep versions as 64-bit integers: a larger one could not be recorded, and
-    every call stamped with it would fail to store.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"must be an integer, got {value!r}"
-    if not 0 <= value <= MAX_POLICY_VERSION:
-        return f"must be in [0, 2**63 - 1], got {value}"
-    return None
 
 
 def parse_args(

@@ -21,9 +21,10 @@ from harnessrl.traces.schema import (
     RolloutState,
     TraceStore,
     UnknownRollout,
+    policy_version_error,
 )
 from proxy_sidecar.budget import BodyBudget
-from proxy_sidecar.config import MODES, SidecarConfig, policy_version_error
+from proxy_sidecar.config import MODES, SidecarConfig
 from proxy_sidecar.errors import (
     BadRequest,
     BodyTooLarge,

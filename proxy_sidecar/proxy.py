@@ -14,9 +14,8 @@ from typing import Any
 
 import orjson
 
-from harnessrl.traces.schema import EndpointKind
+from harnessrl.traces.schema import EndpointKind, policy_version_error
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
-from proxy_sidecar.config import policy_version_error
 from proxy_sidecar.control import SidecarState, parse_object, read_body
 from proxy_sidecar.errors import (
     BadRequest,

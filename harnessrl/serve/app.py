@@ -30,7 +30,7 @@ from harnessrl.engine.decode import Engine
 from harnessrl.engine.swap import load_params
 from harnessrl.listener import server_config
 from harnessrl.model.decoder import Decoder
-from harnessrl.serve.config import INT64_MAX, ServeConfig
+from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.generate import (
     VERSION_HEADER,
     Backend,
@@ -40,6 +40,7 @@ from harnessrl.serve.generate import (
 )
 from harnessrl.serve.output import TokenText
 from harnessrl.serve.protocol import RequestError, RequestLimits, Tokenizer, tokenize_body
+from harnessrl.traces.schema import policy_version_error
 from proxy_sidecar.types import Message, Receive, Scope, Send
 
 ParamsLoader = Callable[[str], Any]
@@ -181,15 +182,8 @@ async def load_weights(request: Request) -> JSONResponse:
             raise RequestError(
                 f"path must be the exported model folder, got {path!r:.200}", param="path"
             )
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or not 0 <= version <= INT64_MAX
-        ):
-            raise RequestError(
-                f"version must be an integer in [0, 2**63 - 1], got {version!r:.50}",
-                param="version",
-            )
+        if error := policy_version_error(version):
+            raise RequestError(f"version {error}", param="version")
         try:
             params = await asyncio.to_thread(loader, path)
             await asyncio.to_thread(backend.engine.swap_params, params, version)

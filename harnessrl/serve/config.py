@@ -6,8 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from harnessrl.listener import HttpLimits
-
-INT64_MAX = (1 << 63) - 1  # policy versions end up in SQLite/PostgreSQL BIGINT columns
+from harnessrl.traces.schema import policy_version_error
 
 
 def is_loopback(host: str) -> bool:
@@ -81,15 +80,8 @@ class ServeConfig:
                 f"ServeConfig.decode_buckets must end at max_model_len={self.max_model_len}, got "
                 f"{self.decode_buckets!r}"
             )
-        version = self.policy_version
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or not 0 <= version <= INT64_MAX
-        ):
-            raise ValueError(
-                f"ServeConfig.policy_version must be an integer in [0, 2**63 - 1], got {version!r}"
-            )
+        if error := policy_version_error(self.policy_version):
+            raise ValueError(f"ServeConfig.policy_version {error}")
 
     def _check_admin(self) -> None:
         if not isinstance(self.admin_token, str):

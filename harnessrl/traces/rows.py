@@ -13,12 +13,12 @@ from typing import Any
 import orjson
 
 from harnessrl.traces.schema import (
-    MAX_POLICY_VERSION,
     CallRecord,
     Choice,
     EndpointKind,
     RolloutRecord,
     RolloutState,
+    policy_version_error,
 )
 
 CALL_COLUMNS: tuple[str, ...] = (
@@ -78,15 +78,9 @@ def check_call(call: CallRecord) -> None:
         raise TypeError(f"call must be a CallRecord, got {type(call).__name__}")
     if not isinstance(call.rollout_id, str) or not call.rollout_id:
         raise ValueError(f"call.rollout_id must be a non-empty string, got {call.rollout_id!r}")
-    version = call.policy_version
-    if version is not None and (
-        isinstance(version, bool)
-        or not isinstance(version, int)
-        or not 0 <= version <= MAX_POLICY_VERSION
-    ):
-        raise ValueError(
-            f"call.policy_version must be None or an integer in [0, 2**63 - 1], got {version!r}"
-        )
+    error = None if call.policy_version is None else policy_version_error(call.policy_version)
+    if error:
+        raise ValueError(f"call.policy_version {error} (or None)")
     for choice in call.choices:
         if len(choice.token_ids) != len(choice.logprobs):
             raise ValueError(

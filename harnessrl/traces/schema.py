@@ -14,6 +14,21 @@ from typing import Any, Protocol, runtime_checkable
 MAX_POLICY_VERSION = 2**63 - 1
 
 
+def policy_version_error(value: object) -> str | None:
+    """Why `value` cannot be a policy version, or None if it can.
+
+    The trace stores keep versions as 64-bit integers: a larger one could not be recorded, and
+    every call stamped with it would fail to store.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 0 <= value <= MAX_POLICY_VERSION
+    ):
+        return f"must be an integer in [0, 2**63 - 1], got {value!r:.50}"
+    return None
+
+
 class RolloutState(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
