@@ -12,10 +12,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-import uvicorn
-
 from harnessrl.cli import command_line, fail
-from harnessrl.listener import server_config
 from harnessrl.serve.config import ServeConfig
 
 PROG = "python -m harnessrl.serve"
@@ -39,29 +36,18 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ser
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    from harnessrl.engine.decode import Engine
-    from harnessrl.model.load import load_model
-    from harnessrl.serve.app import build_app
+    from harnessrl.model.load import load_policy
+    from harnessrl.serve.app import make_server
 
-    loaded = load_model(config.model)
-    if loaded.tokenizer is None:
-        raise SystemExit(
-            f"model {config.model!r} has no tokenizer (tokenizer.json); cannot serve chat"
-        )
-    engine = Engine(
-        loaded.model, loaded.tokenizer.eos_token_ids or [loaded.config.eos_token_id], config
-    )
+    try:
+        model, tokenizer = load_policy(config.model, seed=config.seed)
+    except ValueError as err:
+        fail(PROG, err)
     if config.warmup:
-        print(f"warming up {config.model_name} ({engine.config.num_slots} slots)...", flush=True)
-        engine.warm_up()
-    app = build_app(engine, loaded.tokenizer, config)
+        print(f"warming up {config.model_name} ({config.num_slots} slots)...", flush=True)
+    _, server = make_server(model, tokenizer, config)
     print(f"serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True)
-    limits = config.http_limits
-    uvicorn.Server(
-        server_config(
-            app, host=config.host, port=config.port, limits=limits, log_level=config.log_level
-        )
-    ).run()
+    server.run()
     return 0
 
 

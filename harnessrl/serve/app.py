@@ -19,7 +19,6 @@ from http import HTTPStatus
 from typing import Any
 
 import uvicorn
-from flax import nnx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -69,8 +68,10 @@ class PolicyVersionHeader:
         await self.app(scope, receive, stamped)
 
 
-def _error(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+async def _request_error(request: Request, exc: Exception) -> Response:
+    """A route's RequestError as vLLM's error body (the routes below just raise it)."""
+    assert isinstance(exc, RequestError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _route_error(request: Request, exc: Exception) -> Response:
@@ -89,7 +90,9 @@ async def _route_error(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         status, headers, message = 500, {}, "internal server error"
     kind = HTTPStatus(status).phrase if isinstance(exc, HTTPException) else None
-    return _error(RequestError(message, status=status, headers=headers, kind=kind))
+    return await _request_error(
+        request, RequestError(message, status=status, headers=headers, kind=kind)
+    )
 
 
 async def health(request: Request) -> Response:
@@ -120,11 +123,8 @@ async def _read(request: Request, backend: Backend) -> Any:
 
 async def tokenize(request: Request) -> JSONResponse:
     backend: Backend = request.app.state.backend
-    try:
-        body = await _read(request, backend)
-        ids = await asyncio.to_thread(tokenize_body, body, backend.tokenizer, backend.limits)
-    except RequestError as err:
-        return _error(err)
+    body = await _read(request, backend)
+    ids = await asyncio.to_thread(tokenize_body, body, backend.tokenizer, backend.limits)
     return JSONResponse(
         {
             "count": len(ids),
@@ -137,19 +137,16 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     backend: Backend = request.app.state.backend
-    try:
-        body = await _read(request, backend)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < backend.vocab_size
-            for t in tokens
-        ):
-            raise RequestError(
-                f"tokens must be a list of token ids in [0, {backend.vocab_size})", param="tokens"
-            )
-        text = await asyncio.to_thread(backend.tokenizer.decode, tokens)
-    except RequestError as err:
-        return _error(err)
+    body = await _read(request, backend)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < backend.vocab_size
+        for t in tokens
+    ):
+        raise RequestError(
+            f"tokens must be a list of token ids in [0, {backend.vocab_size})", param="tokens"
+        )
+    text = await asyncio.to_thread(backend.tokenizer.decode, tokens)
     return JSONResponse({"prompt": text})
 
 
@@ -172,28 +169,25 @@ async def load_weights(request: Request) -> JSONResponse:
     """`{"path": "<exported HF folder>", "version": <int>}` → 200 `{"version": <int>}`."""
     backend: Backend = request.app.state.backend
     loader: ParamsLoader = request.app.state.params_loader
-    try:
-        _check_admin(request, request.app.state.admin_token)  # before the body is even read
-        body = await _read(request, backend)
-        path, version = (
-            (body.get("path"), body.get("version")) if isinstance(body, dict) else (None, None)
+    _check_admin(request, request.app.state.admin_token)  # before the body is even read
+    body = await _read(request, backend)
+    path, version = (
+        (body.get("path"), body.get("version")) if isinstance(body, dict) else (None, None)
+    )
+    if not isinstance(path, str) or not path:
+        raise RequestError(
+            f"path must be the exported model folder, got {path!r:.200}", param="path"
         )
-        if not isinstance(path, str) or not path:
-            raise RequestError(
-                f"path must be the exported model folder, got {path!r:.200}", param="path"
-            )
-        if error := policy_version_error(version):
-            raise RequestError(f"version {error}", param="version")
-        try:
-            params = await asyncio.to_thread(loader, path)
-            await asyncio.to_thread(backend.engine.swap_params, params, version)
-        except Exception as err:  # any failure to load leaves the served weights as they were
-            raise RequestError(
-                f"cannot load weights from {path!r:.300}: {type(err).__name__}: {err!s:.500}",
-                param="path",
-            ) from err
-    except RequestError as err:
-        return _error(err)
+    if error := policy_version_error(version):
+        raise RequestError(f"version {error}", param="version")
+    try:
+        params = await asyncio.to_thread(loader, path)
+        await asyncio.to_thread(backend.engine.swap_params, params, version)
+    except Exception as err:  # any failure to load leaves the served weights as they were
+        raise RequestError(
+            f"cannot load weights from {path!r:.300}: {type(err).__name__}: {err!s:.500}",
+            param="path",
+        ) from err
     return JSONResponse({"version": backend.engine.version})
 
 
@@ -234,7 +228,11 @@ def build_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={HTTPException: _route_error, Exception: _route_error},
+        exception_handlers={
+            RequestError: _request_error,
+            HTTPException: _route_error,
+            Exception: _route_error,
+        },
     )
     app.state.backend = backend
     app.state.params_loader = params_loader
@@ -265,6 +263,27 @@ class ServerHandle:
         self.stop()
 
 
+def make_server(
+    model: Decoder,
+    tokenizer: Tokenizer,
+    config: ServeConfig,
+    *,
+    params_loader: ParamsLoader = load_params,
+) -> tuple[Engine, uvicorn.Server]:
+    """An engine for `model` (warmed up unless `config.warmup` is off) and the uvicorn server of
+    its app, not yet running: the foreground CLI and `start_server` both run one."""
+    eos = getattr(tokenizer, "eos_token_ids", None) or [model.cfg.eos_token_id]
+    engine = Engine(model, eos, config)
+    if config.warmup:
+        engine.warm_up()
+    app = build_app(engine, tokenizer, config, params_loader=params_loader)
+    limits, level = config.http_limits, config.log_level
+    listener = server_config(
+        app, host=config.host, port=config.port, limits=limits, log_level=level, lifespan="on"
+    )
+    return engine, uvicorn.Server(listener)
+
+
 def start_server(
     model: Decoder,
     tokenizer: Tokenizer,
@@ -274,21 +293,7 @@ def start_server(
 ) -> ServerHandle:
     """Warm up an engine for `model` and serve it on a background thread (port 0: any free port)."""
     config = config or ServeConfig()
-    eos = getattr(tokenizer, "eos_token_ids", None) or [model.cfg.eos_token_id]
-    engine = Engine(model, eos, config)
-    if config.warmup:
-        engine.warm_up()
-    app = build_app(engine, tokenizer, config, params_loader=params_loader)
-    server = uvicorn.Server(
-        server_config(
-            app,
-            host=config.host,
-            port=config.port,
-            limits=config.http_limits,
-            log_level=config.log_level,
-            lifespan="on",
-        )
-    )
+    engine, server = make_server(model, tokenizer, config, params_loader=params_loader)
     thread = threading.Thread(target=server.run, name="harnessrl-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -301,8 +306,3 @@ def start_server(
     return ServerHandle(
         url=f"http://{config.host}:{port}", engine=engine, server=server, thread=thread
     )
-
-
-def params_of(model: nnx.Module) -> nnx.State:
-    """The swappable part of a Decoder, as `engine.swap_params` takes it."""
-    return nnx.state(model, nnx.Param)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
-from harnessrl.serve.app import params_of, start_server
+from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 
 TOOL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -70,7 +70,7 @@ def server(smol_tokenizer):
     assert start > 250
     cfg = ModelConfig.tiny(vocab_size=tok.vocab_size, eos_token_id=2, max_position_embeddings=512)
     model = ScriptedDecoder(cfg, [*tok.encode(TOOL_TEXT, add_special_tokens=False), 2], start)
-    other = params_of(Decoder(cfg, rngs=nnx.Rngs(1)))
+    other = nnx.state(Decoder(cfg, rngs=nnx.Rngs(1)), nnx.Param)
 
     def loader(path: str):  # stands in for reading an exported folder (covered in rollout tests)
         if path != "exported/other":
