@@ -1,7 +1,7 @@
 """Weight sync: new learner weights into the serving fleet, between two rollout rounds.
 
-In: an exported HF safetensors folder (or, in process, a params state) and a policy version.
-Out: servers that answer with the new weights: the embedded JAX server, or vLLM via its HTTP API.
+In: an exported HF safetensors folder and a policy version. Out: servers elsewhere that answer with
+the new weights: embedded JAX servers, or vLLM, each through its HTTP API.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSync(Protocol):
-    def push(self, export_dir_or_params: Any, version: int) -> None:
-        """Make every server serve these weights as `version`; returns once they do."""
+    def push(self, export_dir: Any, version: int) -> None:
+        """Make every server serve the exported folder's weights as `version`; returns once they do."""
         ...
 
 
@@ -57,38 +57,25 @@ def _urls(urls: Sequence[str] | str, what: str) -> tuple[str, ...]:
 
 
 class EmbeddedSync:
-    """The embedded JAX server: in process (`engine.swap_params`) or over `POST /admin/load_weights`."""
+    """Embedded JAX servers elsewhere: each loads an exported folder on `POST /admin/load_weights`.
+
+    (In the trainer's own process, `EmbeddedServing` swaps params into the engine directly.)
+    """
 
     def __init__(
         self,
-        engine: Any = None,
-        urls: Sequence[str] | str = (),
+        urls: Sequence[str] | str,
         timeout_s: float = 600.0,
         client: httpx.Client | None = None,
         admin_token: str | None = None,  # the servers' --admin-token (sent as a bearer token)
     ) -> None:
-        if engine is None and not urls:
-            raise ValueError("EmbeddedSync needs an in-process engine or the servers' urls")
-        if engine is not None and not callable(getattr(engine, "swap_params", None)):
-            raise TypeError(
-                f"engine must have swap_params(params, version), got {type(engine).__name__}"
-            )
-        self.engine = engine
-        self.urls = _urls(urls, "EmbeddedSync") if urls else ()
+        self.urls = _urls(urls, "EmbeddedSync")
         self._client = client or httpx.Client(timeout=timeout_s)
         self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
-    def push(self, export_dir_or_params: Any, version: int) -> None:
+    def push(self, export_dir: Any, version: int) -> None:
         version = _check_version(version)
-        if self.engine is not None:
-            if isinstance(export_dir_or_params, str | Path):
-                raise TypeError(
-                    "the in-process engine takes params (an nnx.State or Decoder), not a folder; "
-                    "use EmbeddedSync(urls=...) to make servers load an exported folder"
-                )
-            self.engine.swap_params(export_dir_or_params, version)
-            return
-        path = check_export_dir(export_dir_or_params)
+        path = check_export_dir(export_dir)
         for url in self.urls:
             try:
                 r = self._client.post(
@@ -150,10 +137,10 @@ class VLLMSync:
             text = dst + text[len(src) :]
         return text
 
-    def push(self, export_dir_or_params: Any, version: int) -> None:
+    def push(self, export_dir: Any, version: int) -> None:
         version = _check_version(version)
         # Checked here because a bad path makes vLLM's worker raise, which kills its engine.
-        weights_path = self.server_path(check_export_dir(export_dir_or_params))
+        weights_path = self.server_path(check_export_dir(export_dir))
         for url in self.config.urls:
             self._push_one(url, weights_path, version)
 

@@ -199,13 +199,24 @@ class ByteTokenizer:
         return [256, *"".join(m.get("content") or "" for m in messages).encode(), 257]
 
 
+class _Weights:
+    """What `EmbeddedServing.push` reads of a learner: its current params."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def params_state(self) -> Any:
+        return self.state
+
+
 def test_embedded_server_serves_pushed_weights(tmp_path: Path) -> None:
     from flax import nnx
 
+    from harnessrl.fleet.serving import EmbeddedServing
     from harnessrl.model.config import ModelConfig
     from harnessrl.model.decoder import Decoder
     from harnessrl.model.export import export_hf
-    from harnessrl.serve.app import params_of, start_server
+    from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 
     cfg = ModelConfig.tiny(vocab_size=258, eos_token_id=257)
@@ -234,15 +245,15 @@ def test_embedded_server_serves_pushed_weights(tmp_path: Path) -> None:
         out_a2, v2 = greedy()
         assert (v0, v1, v2) == ("0", "1", "2")
         assert out_b != out_a and out_a2 == out_a
-        # In process: params straight into the engine, no files.
-        EmbeddedSync(engine=server.engine).push(params_of(model_b), 3)
+        # In process: the learner's params straight into the engine, no files.
+        EmbeddedServing(server).push(_Weights(nnx.state(model_b, nnx.Param)), 3)
         assert greedy() == (out_b, "3")
         with pytest.raises(WeightSyncError, match="400"):
             sync.push(export_dir(tmp_path, "garbage"), 4)
-    with pytest.raises(TypeError, match="not a folder"):
-        EmbeddedSync(engine=server.engine).push(dir_a, 5)
-    with pytest.raises(ValueError, match="engine or the servers"):
-        EmbeddedSync()
+        with pytest.raises(TypeError, match="exported HF folder"):
+            sync.push(nnx.state(model_b, nnx.Param), 5)  # params go in only as a folder
+    with pytest.raises(ValueError, match="EmbeddedSync urls must be"):
+        EmbeddedSync(urls=())
 
 
 # -- real vLLM (opt-in) ----------------------------------------------------------------------
