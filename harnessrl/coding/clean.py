@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.cli import command_line
-from harnessrl.coding.dedup import contamination, near_duplicates, parse_date, read_eval_set
+from harnessrl.coding.dedup import (
+    contamination,
+    cutoff_time,
+    near_duplicates,
+    read_eval_set,
+)
 from harnessrl.coding.grade import Grade, GradeConfig, grade
 from harnessrl.coding.repo import GitError, git, mirror_of
 from harnessrl.coding.tasks import CodingTask, RowError, task_from_row
@@ -87,7 +92,7 @@ class DecontaminateFilter:
 
     def __post_init__(self) -> None:
         if self.created_after:
-            parse_date(self.created_after, "created_after")
+            cutoff_time(self.created_after)
 
 
 @dataclass(frozen=True)
@@ -310,7 +315,7 @@ def check_license(tasks: list[CodingTask], config: CleanConfig) -> dict[int, str
 def check_decontaminate(tasks: list[CodingTask], config: CleanConfig) -> dict[int, str]:
     c = config.decontaminate
     evals = read_eval_set(c.eval_set) if c.eval_set else None
-    cutoff = parse_date(c.created_after, "created_after") if c.created_after else None
+    cutoff = cutoff_time(c.created_after) if c.created_after else None
     found = {i: contamination(t, evals, same_repo=c.same_repo, cutoff=cutoff)
              for i, t in enumerate(tasks)}  # fmt: skip
     return {i: why for i, why in found.items() if why}

@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,16 @@ def parse_date(text: str, what: str) -> datetime:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
+def cutoff_time(text: str) -> datetime:
+    """The last instant a cut-off allows; a bare date (2023-12-31) allows all of that day (UTC)."""
+    when = parse_date(text, "created_after")
+    try:
+        date.fromisoformat(text.strip())
+    except ValueError:
+        return when
+    return when + timedelta(days=1, microseconds=-1)
+
+
 def contamination(
     task: CodingTask, evals: EvalSet | None, *, same_repo: bool, cutoff: datetime | None
 ) -> str | None:
@@ -194,5 +204,5 @@ def contamination(
         except ValueError:
             return f"created_at {created!r} is not an ISO 8601 date, so it cannot be shown to be before the cut-off"
         if when > cutoff:
-            return f"created {created} after the cut-off {cutoff.date().isoformat()}"
+            return f"created {created}, after the cut-off {cutoff.isoformat()}"
     return None
