@@ -1,5 +1,7 @@
 """HTTP edge shared by the embedded server and the sidecar: uvicorn with bounded request heads.
 
+Also the JSON responses both servers' pure-ASGI handlers send, errors in the OpenAI/vLLM shape.
+
 In: an ASGI app, a bind address and `HttpLimits`. Out: a `uvicorn.Config` whose connections are
 refused (431) when their request head outgrows `max_header_bytes`, and closed (408) when a head
 takes longer than `read_timeout_s` to arrive or a body pauses that long, so slow clients
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -17,6 +20,8 @@ from typing import Any
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy_sidecar.types import Send
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,26 @@ class HttpLimits:
             raise ValueError(f"read_timeout_s must be finite and > 0, got {timeout!r}")
 
 
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI/vLLM error body (`kind` is its `type`), from both servers alike."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+async def send_json(
+    send: Send, status: int, body: Any, headers: Iterable[tuple[bytes, bytes]] = ()
+) -> None:
+    """One whole JSON response from a pure-ASGI handler."""
+    payload = orjson.dumps(body)
+    length = (b"content-length", str(len(payload)).encode())
+    start = [(b"content-type", b"application/json"), length, *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": payload})
+
+
 def error_response(status: int, message: str) -> bytes:
     """A complete HTTP/1.1 response in vLLM's error shape that closes the connection."""
     phrase = HTTPStatus(status).phrase
-    body = orjson.dumps(
-        {"error": {"message": message, "type": phrase, "param": None, "code": status}}
-    )
+    body = orjson.dumps(error_body(status, message, phrase))
     head = (
         f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"

@@ -10,19 +10,19 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from harnessrl.listener import error_body, send_json
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
-from proxy_sidecar.errors import SidecarError, error_body, send_error, send_json
+from proxy_sidecar.errors import SidecarError, send_error
 from proxy_sidecar.metrics import Metrics
 from proxy_sidecar.proxy import read_failure, response_headers, rollout_of, upstream_headers
 from proxy_sidecar.recorder import Recorder
@@ -65,7 +65,7 @@ class Health:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ups = [{"url": u.url, "failures": u.failures} for u in self.state.pool.upstreams]
         body = {"status": "ok", "version": __version__, "upstreams": ups, **self.state.status()}
-        await send_json(send, 200, orjson.dumps(body))
+        await send_json(send, 200, body)
 
 
 class MetricsEndpoint:
@@ -85,7 +85,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         status, str(getattr(exc, "detail", exc))
     )
     kind = "not_found_error" if status == 404 else "invalid_request_error"
-    return Response(error_body(status, message, kind), status, media_type="application/json")
+    return JSONResponse(error_body(status, message, kind), status)
 
 
 def routes(state: SidecarState) -> list[Route]:

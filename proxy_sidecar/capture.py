@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from harnessrl.listener import error_body
 from harnessrl.traces.parse import CaptureError, StreamAssembler, parse_response
 from harnessrl.traces.schema import CallRecord, Choice, EndpointKind
 
@@ -121,5 +122,4 @@ def build_record(
 
 def sse_error_event(message: str, status: int = 502) -> bytes:
     """An in-stream error in vLLM's shape; OpenAI clients raise on it instead of truncating."""
-    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return b"data: " + orjson.dumps(error_body(status, message, "upstream_error")) + b"\n\n"

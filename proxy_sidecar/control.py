@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from harnessrl.listener import send_json
 from harnessrl.traces.schema import (
     TERMINAL_STATES,
     InvalidTransition,
@@ -34,7 +35,6 @@ from proxy_sidecar.errors import (
     Unauthorized,
     Unavailable,
     send_error,
-    send_json,
 )
 from proxy_sidecar.metrics import Metrics
 from proxy_sidecar.types import Receive, Scope, Send
@@ -245,7 +245,7 @@ class ControlEndpoint:
         try:
             authorize(scope, self.state.config.control_token)
             body = await read_json(scope, receive) if scope["method"] == "POST" else {}
-            await send_json(send, 200, orjson.dumps(await self._act(body)))
+            await send_json(send, 200, await self._act(body))
         except SidecarError as err:
             await send_error(send, err)
 
@@ -297,7 +297,7 @@ class RolloutEndpoint:
                 "state": record.state.value,
                 "reward": record.reward,
             }
-            await send_json(send, 200, orjson.dumps(payload))
+            await send_json(send, 200, payload)
         except UnknownRollout as err:
             await send_error(send, NotFound(str(err)))
         except InvalidTransition as err:

@@ -6,10 +6,7 @@ input, 502/503/504 for upstream or store trouble), sent only at the ASGI edge.
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
-
+from harnessrl.listener import error_body, send_json
 from proxy_sidecar.types import Send
 
 
@@ -70,30 +67,10 @@ class UpstreamTimeout(SidecarError):
     type = "upstream_timeout"
 
 
-def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    )
-
-
-async def send_json(send: Send, status: int, body: bytes, headers: list[Any] | None = None) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or ()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 async def send_error(send: Send, err: SidecarError) -> None:
     headers = []
     if err.retry_after_s is not None:
         headers.append((b"retry-after", str(err.retry_after_s).encode()))
-    body = error_body(err.status, err.message, err.type, err.param)
-    await send_json(send, err.status, body, headers)
+    await send_json(
+        send, err.status, error_body(err.status, err.message, err.type, err.param), headers
+    )

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from harnessrl.engine.decode import Cancel, Engine, EngineBusy, TokenEvent
+from harnessrl.listener import send_json
 from harnessrl.serve.output import (
     ChoiceState,
     TokenText,
@@ -90,22 +91,13 @@ def decode_json(raw: bytes) -> Any:
         raise RequestError(f"the request body is not valid JSON: {err}") from err
 
 
-async def send_json(
-    send: Send, status: int, body: Any, version: int, extra: dict[str, str] | None = None
-) -> None:
-    payload = orjson.dumps(body)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(payload)).encode()),
-        (VERSION_HEADER, str(version).encode()),
-        *((k.encode(), v.encode()) for k, v in (extra or {}).items()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
 async def send_error(send: Send, err: RequestError, version: int) -> None:
-    await send_json(send, err.status, err.body(), version, err.headers)
+    headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
+    await send_json(send, err.status, err.body(), [_version(version), *headers])
+
+
+def _version(version: int) -> tuple[bytes, bytes]:
+    return VERSION_HEADER, str(version).encode()
 
 
 def _busy(message: str) -> RequestError:
@@ -224,7 +216,7 @@ class _Run:
             return await send_error(send, error, version)
         build = chat_body if self.chat else completion_body
         body = build(self.job, self.choices, self.backend.names, self.head)
-        await send_json(send, 200, body, version)
+        await send_json(send, 200, body, [_version(version)])
 
     async def stream(self, send: Send) -> None:
         events = await self.events()
@@ -238,7 +230,7 @@ class _Run:
         headers = [
             (b"content-type", b"text/event-stream"),
             (b"cache-control", b"no-cache"),
-            (VERSION_HEADER, str(version).encode()),
+            _version(version),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if self.chat:

@@ -11,6 +11,7 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from harnessrl.engine.sampler import SamplingParams
+from harnessrl.listener import error_body
 from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.sampling import parse_sampling
 from harnessrl.serve.tools import validate_tools
@@ -58,14 +59,8 @@ class RequestError(Exception):
             500: "InternalServerError",
             503: "ServiceUnavailableError",
         }
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind or kind.get(self.status) or HTTPStatus(self.status).phrase,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
+        name = self.kind or kind.get(self.status) or HTTPStatus(self.status).phrase
+        return error_body(self.status, self.message, name, self.param)
 
 
 @dataclass(frozen=True)
