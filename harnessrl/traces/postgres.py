@@ -12,44 +12,17 @@ from typing import Any
 
 import psycopg
 
-from harnessrl.traces.sql import SQLStoreBase
+from harnessrl.traces.sql import SQLStoreBase, schema
 
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS calls (
-        id BIGSERIAL PRIMARY KEY,
-        rollout_id TEXT NOT NULL,
-        seq BIGINT NOT NULL,
-        started_at DOUBLE PRECISION NOT NULL,
-        finished_at DOUBLE PRECISION NOT NULL,
-        endpoint TEXT NOT NULL,
-        request JSONB NOT NULL,
-        response JSONB,
-        prompt_token_ids JSONB NOT NULL,
-        choices JSONB NOT NULL,
-        policy_version BIGINT,
-        upstream TEXT NOT NULL,
-        latency_ms DOUBLE PRECISION NOT NULL,
-        status INTEGER NOT NULL,
-        error TEXT,
-        UNIQUE (rollout_id, seq)
-    )""",
-    """CREATE TABLE IF NOT EXISTS call_seq (
-        rollout_id TEXT PRIMARY KEY,
-        next_seq BIGINT NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS rollouts (
-        rollout_id TEXT PRIMARY KEY,
-        task_id TEXT NOT NULL,
-        group_id TEXT NOT NULL,
-        attempt INTEGER NOT NULL,
-        state TEXT NOT NULL,
-        reward DOUBLE PRECISION,
-        exit_code INTEGER,
-        info JSONB NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL,
-        updated_at DOUBLE PRECISION NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id)",
+_TYPES = {
+    "text": "TEXT",
+    "int": "INTEGER",
+    "bigint": "BIGINT",
+    "real": "DOUBLE PRECISION",
+    "json": "JSONB",
+}
+_CALL_SEQ = (
+    "CREATE TABLE IF NOT EXISTS call_seq (rollout_id TEXT PRIMARY KEY, next_seq BIGINT NOT NULL)"
 )
 
 _RESERVE = (
@@ -74,7 +47,7 @@ class PostgresTraceStore(SQLStoreBase):
         with self._lock, self._conn.transaction():
             # Several processes may open the same fresh database at once.
             self._conn.execute("SELECT pg_advisory_xact_lock(7246135)")
-            for statement in _SCHEMA:
+            for statement in [*schema(_TYPES, "BIGSERIAL"), _CALL_SEQ]:
                 self._conn.execute(statement)
 
     def _connect(self) -> psycopg.Connection[Any]:

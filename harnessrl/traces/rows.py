@@ -21,35 +21,37 @@ from harnessrl.traces.schema import (
     policy_version_error,
 )
 
-CALL_COLUMNS: tuple[str, ...] = (
-    "rollout_id",
-    "seq",
-    "started_at",
-    "finished_at",
-    "endpoint",
-    "request",
-    "response",
-    "prompt_token_ids",
-    "choices",
-    "policy_version",
-    "upstream",
-    "latency_ms",
-    "status",
-    "error",
-)
+# Column -> kind, in table order; each store spells the kinds in its own SQL types (sql.schema).
+# A trailing "?" makes the column nullable.
+CALL_COLUMNS: dict[str, str] = {
+    "rollout_id": "text",
+    "seq": "bigint",
+    "started_at": "real",
+    "finished_at": "real",
+    "endpoint": "text",
+    "request": "json",
+    "response": "json?",
+    "prompt_token_ids": "json",
+    "choices": "json",
+    "policy_version": "bigint?",
+    "upstream": "text",
+    "latency_ms": "real",
+    "status": "int",
+    "error": "text?",
+}
 
-ROLLOUT_COLUMNS: tuple[str, ...] = (
-    "rollout_id",
-    "task_id",
-    "group_id",
-    "attempt",
-    "state",
-    "reward",
-    "exit_code",
-    "info",
-    "created_at",
-    "updated_at",
-)
+ROLLOUT_COLUMNS: dict[str, str] = {
+    "rollout_id": "text",
+    "task_id": "text",
+    "group_id": "text",
+    "attempt": "int",
+    "state": "text",
+    "reward": "real?",
+    "exit_code": "int?",
+    "info": "json",
+    "created_at": "real",
+    "updated_at": "real",
+}
 
 # Fields a state change may update besides the state itself.
 MUTABLE_ROLLOUT_FIELDS = frozenset({"reward", "exit_code", "info"})

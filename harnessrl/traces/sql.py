@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from harnessrl.traces import rows
@@ -24,6 +24,25 @@ from harnessrl.traces.schema import (
 
 _CALL_COLS = ", ".join(rows.CALL_COLUMNS)
 _ROLLOUT_COLS = ", ".join(rows.ROLLOUT_COLUMNS)
+
+
+def schema(types: Mapping[str, str], call_id: str) -> list[str]:
+    """CREATE statements of both tables, column kinds spelled in a store's SQL `types`."""
+
+    def columns(table: Mapping[str, str]) -> str:
+        null = {True: "", False: " NOT NULL"}
+        return ", ".join(
+            f"{name} {types[kind.rstrip('?')]}{null[kind.endswith('?')]}"
+            for name, kind in table.items()
+        )
+
+    return [
+        f"CREATE TABLE IF NOT EXISTS calls (id {call_id} PRIMARY KEY, "
+        f"{columns(rows.CALL_COLUMNS)}, UNIQUE (rollout_id, seq))",
+        f"CREATE TABLE IF NOT EXISTS rollouts ({columns(rows.ROLLOUT_COLUMNS)}, "
+        "PRIMARY KEY (rollout_id))",
+        "CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id)",
+    ]
 
 
 class SQLStoreBase:

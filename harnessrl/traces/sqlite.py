@@ -16,43 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from harnessrl.traces.schema import CallRecord
-from harnessrl.traces.sql import SQLStoreBase
+from harnessrl.traces.sql import SQLStoreBase, schema
 
 log = logging.getLogger("harnessrl.traces.sqlite")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS calls (
-    id INTEGER PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    started_at REAL NOT NULL,
-    finished_at REAL NOT NULL,
-    endpoint TEXT NOT NULL,
-    request TEXT NOT NULL,
-    response TEXT,
-    prompt_token_ids TEXT NOT NULL,
-    choices TEXT NOT NULL,
-    policy_version INTEGER,
-    upstream TEXT NOT NULL,
-    latency_ms REAL NOT NULL,
-    status INTEGER NOT NULL,
-    error TEXT,
-    UNIQUE (rollout_id, seq)
-);
-CREATE TABLE IF NOT EXISTS rollouts (
-    rollout_id TEXT PRIMARY KEY,
-    task_id TEXT NOT NULL,
-    group_id TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    reward REAL,
-    exit_code INTEGER,
-    info TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id);
-"""
+_TYPES = {"text": "TEXT", "int": "INTEGER", "bigint": "INTEGER", "real": "REAL", "json": "TEXT"}
 
 SYNCHRONOUS_MODES = ("NORMAL", "FULL")
 
@@ -113,7 +81,7 @@ class SQLiteTraceStore(SQLStoreBase):
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
         self._conn.execute("PRAGMA journal_size_limit=67108864")  # WAL shrinks back to 64 MiB
         with self._transaction() as cur:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
+            for statement in schema(_TYPES, "INTEGER"):
                 cur.execute(statement)
         self._stop = threading.Event()
         self._checkpointer: threading.Thread | None = None
