@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 
+from harnessrl.cli import coerce
 from harnessrl.model.sharding import logical_to_spec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
@@ -64,7 +66,7 @@ class SliceConfig:
     machine_type: str
     chips_per_host: int  # -1: whatever the host shows (CPU)
     hosts: int
-    mesh: Mapping[str, int]
+    mesh: dict[str, int]
     buckets: tuple[tuple[int, int], ...]  # (rows, bucket_len) micro-batch shapes
     max_step_tokens: int  # token budget of one optimizer step
     compute_dtype: str
@@ -74,6 +76,9 @@ class SliceConfig:
     @property
     def num_devices(self) -> int:
         return -1 if self.chips_per_host < 0 else self.chips_per_host * self.hosts
+
+
+SLICE_KEYS = frozenset(f.name for f in dataclasses.fields(SliceConfig)) - {"name"}
 
 
 def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
@@ -142,28 +147,6 @@ def recipe_path(spec: str) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-_SLICE_TYPES: dict[str, type | tuple[type, ...]] = {
-    "platform": str,
-    "accelerator": str,
-    "device_kind": str,
-    "topology": str,
-    "machine_type": str,
-    "chips_per_host": int,
-    "hosts": int,
-    "mesh": dict,
-    "buckets": list,
-    "max_step_tokens": int,
-    "compute_dtype": str,
-    "param_dtype": str,
-    "remat": bool,
-}
-SLICE_KEYS = frozenset(_SLICE_TYPES)
-
-
-def _type_names(typ: type | tuple[type, ...]) -> str:
-    return " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
-
-
 def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceConfig:
     """Read and type-check one `tpu_configs/*.yaml` recipe, then check it against `jax.devices()`.
 
@@ -178,34 +161,30 @@ def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceCon
     raw = yaml.safe_load(path.read_text())
     if not isinstance(raw, dict):
         raise ValueError(f"slice config {path}: expected a mapping at top level, got {type(raw)}")
-    unknown = sorted(set(raw) - set(_SLICE_TYPES))
+    unknown, missing = sorted(set(raw) - SLICE_KEYS), sorted(SLICE_KEYS - set(raw))
     if unknown:
         raise ValueError(
-            f"slice config {path}: unknown keys {unknown}; allowed {sorted(_SLICE_TYPES)}"
+            f"slice config {path}: unknown keys {unknown}; allowed {sorted(SLICE_KEYS)}"
         )
-    missing = sorted(set(_SLICE_TYPES) - set(raw))
     if missing:
         raise ValueError(f"slice config {path}: missing keys {missing}")
-    for key, typ in _SLICE_TYPES.items():
-        if not isinstance(raw[key], typ) or (typ is not bool and isinstance(raw[key], bool)):
-            raise ValueError(
-                f"slice config {path}: {key!r} must be {_type_names(typ)}, got {raw[key]!r}"
-            )
-    if raw["platform"] not in PLATFORMS:
-        raise ValueError(f"slice config {path}: platform {raw['platform']!r} not in {PLATFORMS}")
-    mesh = {str(k): v for k, v in raw["mesh"].items()}
-    if set(mesh) != set(MESH_AXES) or not all(isinstance(v, int) for v in mesh.values()):
+    hints = typing.get_type_hints(SliceConfig)
+    try:  # the config loader's own type check: bad types are ValueErrors naming the key
+        values = {key: coerce(repr(key), raw[key], hints[key]) for key in SLICE_KEYS}
+    except ValueError as err:
+        raise ValueError(f"slice config {path}: {err}") from err
+    if values["platform"] not in PLATFORMS:
+        raise ValueError(f"slice config {path}: platform {values['platform']!r} not in {PLATFORMS}")
+    mesh, buckets = values["mesh"], values["buckets"]
+    if set(mesh) != set(MESH_AXES) or not all(type(v) is int for v in mesh.values()):
         raise ValueError(
             f"slice config {path}: mesh must set integer sizes for {MESH_AXES}: {mesh}"
         )
-    buckets = tuple(tuple(b) for b in raw["buckets"])
-    if not buckets or not all(
-        len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b) for b in buckets
-    ):
+    if not buckets or not all(x > 0 for b in buckets for x in b):
         raise ValueError(
             f"slice config {path}: buckets must be [[rows, bucket_len], ...]: {buckets}"
         )
-    cfg = SliceConfig(name=path.stem, **{**raw, "mesh": mesh, "buckets": buckets})
+    cfg = SliceConfig(name=path.stem, **values)
     if cfg.num_devices > 0:
         sizes = resolve_mesh_sizes(mesh, cfg.num_devices, source=str(path))
         batch_shards = sizes["data"] * sizes["fsdp"]
