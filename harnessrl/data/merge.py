@@ -13,19 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harnessrl.data.diagnose import BreakCause, BreakDiagnosis, Decoder, diagnose_break
+from harnessrl.data.diagnose import BreakDiagnosis, Decoder, diagnose_break
 from harnessrl.traces.schema import CallRecord
-
-__all__ = [
-    "BreakCause",
-    "BreakDiagnosis",
-    "LengthPolicy",
-    "MergeResult",
-    "MergeStats",
-    "MergedSequence",
-    "merge_calls",
-    "truncate_sequences",
-]
 
 
 class LengthPolicy(enum.StrEnum):

@@ -15,19 +15,6 @@ import numpy as np
 
 from harnessrl.data.plan import Bucket, plan_rows, validate_buckets
 
-__all__ = [
-    "Bucket",
-    "PackItem",
-    "PackResult",
-    "PackedBatch",
-    "pack_items",
-    "shard_batches",
-    "split_items",
-    "unpack_items",
-    "validate_buckets",
-]
-
-
 # A PackedBatch field's metadata declares its dtype; the checks and `zeros` read it from there.
 _INT32, _FLOAT32 = {"dtype": np.int32}, {"dtype": np.float32}
 
@@ -191,17 +178,6 @@ def pack_items(
                 off += n
         batches.append(batch)
     return PackResult(batches, placements)
-
-
-def unpack_items(
-    batches: Sequence[PackedBatch], placements: np.ndarray
-) -> list[dict[str, np.ndarray]]:
-    """Read every packed item back, in input order (inverse of `pack_items`)."""
-    out = []
-    for mb, r, off, n in placements.tolist():
-        cols = slice(off, off + n)
-        out.append({k: v[r, cols] for k, v in batches[mb].as_dict().items()})
-    return out
 
 
 def shard_batches(batches: Sequence[PackedBatch], index: int, count: int) -> list[PackedBatch]:

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from trace_factory import make_call
 
-from harnessrl.data.merge import BreakCause, MergeStats, merge_calls, truncate_sequences
+from harnessrl.data.diagnose import BreakCause
+from harnessrl.data.merge import MergeStats, merge_calls, truncate_sequences
 
 
 def test_extending_calls_merge_into_one_sequence_with_masks_and_logprobs():

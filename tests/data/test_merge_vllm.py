@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harnessrl.data.merge import BreakCause, merge_calls
+from harnessrl.data.diagnose import BreakCause
+from harnessrl.data.merge import merge_calls
 from harnessrl.data.pipeline import DataConfig, StepTraces, build_step
 
 _SCRIPT = Path(__file__).parents[1] / "fixtures" / "traces" / "convert_vllm.py"

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from unpacking import unpack_items
 
 from harnessrl.data.pack import (
     PackedBatch,
@@ -11,7 +12,6 @@ from harnessrl.data.pack import (
     pack_items,
     shard_batches,
     split_items,
-    unpack_items,
 )
 from harnessrl.data.plan import Bucket, validate_buckets
 

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_factory import GeneratedRun, agent_step, make_call, make_run
+from unpacking import unpack_items
 
 from harnessrl.data.merge import merge_calls
-from harnessrl.data.pack import PackItem, pack_items, unpack_items
+from harnessrl.data.pack import PackItem, pack_items
 from harnessrl.data.pipeline import DataConfig, StepTraces, build_step, read_traces
 from harnessrl.data.plan import Bucket
 from harnessrl.data.weights import token_weights
