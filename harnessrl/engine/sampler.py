@@ -7,7 +7,7 @@ temperature/top-k/top-p), as vLLM returns by default, so they match the learner'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -35,7 +35,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def _bisect(pred: Any, lo_s: jax.Array, hi_s: jax.Array, iters: int = 32) -> jax.Array:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 # An unclosed final block still counts: generation may stop on the closing tag or on EOS.
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
