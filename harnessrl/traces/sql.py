@@ -112,19 +112,13 @@ class SQLStoreBase:
         return seqs
 
     def calls(self, rollout_id: str) -> list[CallRecord]:
-        with self._locked():
-            cur = self._cursor()
-            cur.execute(self._sql["calls"], (rollout_id,))
-            return [rows.row_to_call(r) for r in cur.fetchall()]
+        return [rows.row_to_call(r) for r in self._fetch("calls", rollout_id)]
 
     def count_calls(self, rollout_id: str | None = None) -> int:
-        with self._locked():
-            cur = self._cursor()
-            if rollout_id is None:
-                cur.execute(self._sql["count"])
-            else:
-                cur.execute(self._sql["count_rollout"], (rollout_id,))
-            return int(cur.fetchone()[0])
+        found = (
+            self._fetch("count") if rollout_id is None else self._fetch("count_rollout", rollout_id)
+        )
+        return int(found[0][0])
 
     # --- rollouts ----------------------------------------------------------------------------
     def create_rollout(self, rollout: RolloutRecord) -> None:
@@ -142,22 +136,16 @@ class SQLStoreBase:
                 )
 
     def rollout(self, rollout_id: str) -> RolloutRecord:
-        with self._locked():
-            cur = self._cursor()
-            cur.execute(self._sql["rollout"], (rollout_id,))
-            row = cur.fetchone()
-        if row is None:
+        found = self._fetch("rollout", rollout_id)
+        if not found:
             raise UnknownRollout(rollout_id)
-        return rows.row_to_rollout(row)
+        return rows.row_to_rollout(found[0])
 
     def rollouts(self, group_id: str | None = None) -> list[RolloutRecord]:
-        with self._locked():
-            cur = self._cursor()
-            if group_id is None:
-                cur.execute(self._sql["rollouts"])
-            else:
-                cur.execute(self._sql["rollouts_group"], (group_id,))
-            return [rows.row_to_rollout(r) for r in cur.fetchall()]
+        found = (
+            self._fetch("rollouts") if group_id is None else self._fetch("rollouts_group", group_id)
+        )
+        return [rows.row_to_rollout(r) for r in found]
 
     def transition(self, rollout_id: str, state: RolloutState, **fields: Any) -> RolloutRecord:
         try:
@@ -199,6 +187,13 @@ class SQLStoreBase:
                 self._close_connection()
 
     # --- helpers -----------------------------------------------------------------------------
+    def _fetch(self, statement: str, *args: Any) -> list[Any]:
+        """Every row one of the read statements returns (outside any write transaction)."""
+        with self._locked():
+            cur = self._cursor()
+            cur.execute(self._sql[statement], args)
+            return list(cur.fetchall())
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with self._lock:
