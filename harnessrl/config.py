@@ -30,6 +30,7 @@ from harnessrl.cli import (
 from harnessrl.data.pipeline import DataConfig
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import SLICE_KEYS, load_slice_config, recipe_path
+from harnessrl.rollout.coding import CodingConfig, is_coding
 from harnessrl.rollout.k8s import KubernetesLauncherConfig
 from harnessrl.rollout.local import LocalLauncherConfig
 from harnessrl.rollout.round import POSTED_REWARD
@@ -88,14 +89,19 @@ class RolloutConfig:
     # each push exports the weights to out_dir/weights (shared storage) and the servers load them.
     servers: str = ""
     weight_sync: str = "vllm"  # with servers: vllm (started with VLLM_SERVER_DEV_MODE=1) | embedded
-    tasks: str = "builtin:addition"  # builtin:addition or a JSONL task file
-    eval_tasks: str = ""  # JSONL of held-out tasks (builtin:addition makes its own split)
+    # builtin:addition, a JSONL task file, or coding tasks: coding:shipped (the HumanEval bug
+    # set) or coding:PATH (SWE-bench/SWE-smith JSONL, a task folder or a folder of them)
+    tasks: str = "builtin:addition"
+    # held-out tasks (JSONL, or coding:...); builtin:addition and coding tasks without one hold
+    # out num_eval_tasks of their own
+    eval_tasks: str = ""
     num_train_tasks: int = 300  # builtin:addition sizes
-    num_eval_tasks: int = 64  # builtin:addition held-out tasks
+    num_eval_tasks: int = 64  # held-out tasks of builtin:addition, or of coding tasks
     tasks_per_step: int = 6  # tasks sampled per step; each is run group_size times (one group)
     group_size: int = 8  # runs per task per step; advantages compare the runs of a group
     eval_runs_per_task: int = 1  # runs per held-out task at each eval
-    # exact_number | exact_match | contains | exit_code, or your own module:function
+    # exact_number | exact_match | contains | exit_code | coding (grades a coding run's diff;
+    # the default for coding tasks), or your own module:function
     evaluator: str = "exact_number"
     # keep: a reward the harness posted itself stands (the evaluator scores the others) |
     # ignore: the evaluator scores every run | require: a run that posted none is marked failed
@@ -107,9 +113,21 @@ class RolloutConfig:
     kubernetes: KubernetesLauncherConfig = dataclasses.field(
         default_factory=KubernetesLauncherConfig
     )
+    # coding tasks: the harness (mini-swe-agent) run in a sandbox per run, and the grader
+    coding: CodingConfig = dataclasses.field(default_factory=CodingConfig)
 
     def __post_init__(self) -> None:
         _check_choice("rollout.launcher", self.launcher, LAUNCHERS)
+        if self.evaluator == "coding" and not is_coding(self.tasks):
+            raise ValueError(
+                "rollout.evaluator=coding grades coding tasks only; set rollout.tasks=coding:... "
+                f"or pick another evaluator (rollout.tasks is {self.tasks!r})"
+            )
+        if is_coding(self.tasks) and self.launcher != "local":
+            raise ValueError(
+                "coding tasks run in sandboxes on this machine (rollout.launcher=local); "
+                "Kubernetes coding sandboxes are not shipped yet"
+            )
         _check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
         _check_choice("rollout.posted_reward", self.posted_reward, tuple(POSTED_REWARD))
         if self.launcher == "kubernetes":
@@ -189,6 +207,32 @@ SMOKE: dict[str, Any] = {
     "learner.checkpoint_every": 1,
 }
 
+# Coding tasks (`rollout.tasks=coding:...`), beneath your own settings and above `--smoke`:
+# graded by the coding evaluator; mini-swe-agent's chats run to a few thousand tokens, so the
+# context, prefill chunks and packed rows grow, and a step holds fewer, longer runs.
+CODING: dict[str, Any] = {
+    "rollout.evaluator": "coding",
+    "rollout.tasks_per_step": 2,
+    "rollout.group_size": 4,
+    "rollout.num_eval_tasks": 8,
+    "rollout.timeout_s": 900.0,
+    "serve.max_model_len": 4096,
+    "serve.prefill_buckets": (256, 1024),
+    "data.buckets": ((1, 4096),),
+}
+
+# `--smoke` with coding tasks: a few short runs of the tiny model (garbage replies, so each run
+# ends at its step limit or at mini-swe-agent's third malformed reply).
+SMOKE_CODING: dict[str, Any] = {
+    "rollout.num_eval_tasks": 2,
+    "rollout.group_size": 2,
+    "rollout.timeout_s": 300.0,
+    "rollout.coding.step_limit": 3,
+    "rollout.coding.max_tokens": 16,
+    "serve.max_model_len": 2048,
+    "data.buckets": ((2, 2048),),
+}
+
 # Bare keys that set several fields at once.
 ALIASES: dict[str, tuple[str, ...]] = {"seed": ("run.seed", "serve.seed")}
 
@@ -226,6 +270,7 @@ HELP: dict[str, str] = {
     "learner.async_checkpoint": "write checkpoints in the background",
     "learner.eps_low": "PPO clip: lower epsilon of the importance ratio",
     "learner.mesh": "preset, data=2,fsdp=-1,tensor=1, or a tpu_configs recipe (applied whole)",
+    "rollout.coding.grade.pytest_args": "more arguments for the grader's pytest command",
 }
 
 
@@ -279,7 +324,7 @@ def load_config(
     overrides: Mapping[str, Any] | Sequence[str] | None = None,
     smoke: bool = False,
 ) -> TrainConfig:
-    """Defaults ← smoke preset ← mesh recipe ← YAML file ← overrides (`key=value` or a dict).
+    """Defaults ← smoke ← coding presets ← mesh recipe ← YAML file ← overrides (`key=value`).
 
     `--config=FILE` among the overrides reads that file in its place.
     """
@@ -297,7 +342,13 @@ def _load(pairs: Pairs, smoke: bool) -> TrainConfig:
             raise ConfigError(f"{key} is set by the train loop from {source}; set that instead")
     mesh = values.get("learner.mesh") or (SMOKE["learner.mesh"] if smoke else "")
     preset = recipe_settings(mesh) if recipe_path(mesh) else []
-    below = typed(TrainConfig, [*(SMOKE.items() if smoke else []), *preset])
+    coding = is_coding(str(values.get("rollout.tasks", defaults.rollout.tasks)))
+    presets = [
+        *(SMOKE.items() if smoke else []),
+        *(CODING.items() if coding else []),
+        *(SMOKE_CODING.items() if smoke and coding else []),
+    ]
+    below = typed(TrainConfig, [*presets, *preset])
     return build(defaults, {**below, **values})
 
 

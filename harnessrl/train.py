@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from harnessrl.cli import fail
+from harnessrl.coding.tasks import CodingTask
 from harnessrl.config import TrainConfig
 from harnessrl.config import parse_args as parse_config
 from harnessrl.data.pipeline import StepTraces, build_step, read_traces
@@ -41,12 +42,18 @@ from harnessrl.learner.step import Learner
 from harnessrl.model.load import load_policy
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics
 from harnessrl.rollout import (
+    CodingEvaluator,
+    CodingLauncher,
+    Evaluate,
     Launcher,
     LocalLauncher,
     RoundResult,
     Task,
     addition_tasks,
+    coding_metrics,
+    coding_task_sets,
     get_evaluator,
+    is_coding,
     load_tasks,
     parse_command,
     plan_round,
@@ -81,6 +88,7 @@ class Run:
     serving: Serving  # the embedded server, or remote servers fed through shared storage
     capture: Capture  # this process's sidecar, or the sidecars of the harness pods
     launcher: Launcher
+    evaluate: Evaluate  # scores each succeeded run that posted no reward of its own
     log: MetricsLog
     train_tasks: list[Task]
     eval_tasks: list[Task]
@@ -95,13 +103,19 @@ class Run:
 # ---- tasks, launcher, services -------------------------------------------------------------------
 
 
-def load_task_sets(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
+Coding = dict[str, CodingTask]  # the coding task behind each task id; empty for other tasks
+
+
+def load_task_sets(cfg: TrainConfig) -> tuple[list[Task], list[Task], Coding]:
     r = cfg.rollout
+    if is_coding(r.tasks):
+        sets = coding_task_sets(r.tasks, r.eval_tasks, r.num_eval_tasks)
+        return sets.train, sets.eval, sets.by_id
     if r.tasks == "builtin:addition":
-        return addition_tasks(r.num_train_tasks, r.num_eval_tasks, seed=cfg.run.seed)
+        return (*addition_tasks(r.num_train_tasks, r.num_eval_tasks, seed=cfg.run.seed), {})
     if not r.eval_tasks:
         raise ValueError(f"rollout.tasks={r.tasks!r} needs rollout.eval_tasks (a held-out JSONL)")
-    return load_tasks(r.tasks), load_tasks(r.eval_tasks)
+    return load_tasks(r.tasks), load_tasks(r.eval_tasks), {}
 
 
 def harness_command(cfg: TrainConfig, own: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -112,9 +126,19 @@ def harness_command(cfg: TrainConfig, own: tuple[str, ...] = ()) -> tuple[str, .
     )
 
 
-def make_launcher(cfg: TrainConfig) -> Launcher:
-    """The launcher that rollout.launcher names, with its section's settings as they are."""
+def make_launcher(cfg: TrainConfig, coding: Coding) -> Launcher:
+    """The launcher that rollout.launcher names; coding tasks: a sandbox per run, here."""
     r = cfg.rollout
+    if coding:
+        code = r.coding
+        command = harness_command(cfg, code.command) if code.command else ()
+        mini_config = harness_command(cfg, (code.mini_config,))[0]
+        return CodingLauncher(
+            dataclasses.replace(code, command=command, mini_config=mini_config),
+            coding,
+            local=r.local,
+            model=cfg.sidecar.model or cfg.serve.model_name,
+        )
     if r.launcher == "kubernetes":
         from harnessrl.rollout.k8s import KubernetesLauncher
 
@@ -130,13 +154,13 @@ def setup(cfg: TrainConfig, started: float) -> Run:
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
-    train_tasks, eval_tasks = load_task_sets(cfg)
-    get_evaluator(cfg.rollout.evaluator)  # fail on a bad name before anything starts
+    train_tasks, eval_tasks, coding = load_task_sets(cfg)
+    evaluate = make_evaluator(cfg, coding)  # fails on a bad name before anything starts
+    launcher = make_launcher(cfg, coding)
     model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)
     learner = LeadLearner(make_learner(cfg, model))
     store_url = cfg.rollout.store or f"sqlite:///{(out / 'traces.db').absolute()}"
     store = open_store(store_url)
-    launcher = make_launcher(cfg)
     serving = start_serving(cfg, model, tokenizer, out)
     try:
         capture = start_capture(cfg, launcher, serving.url, store_url, out)
@@ -146,9 +170,15 @@ def setup(cfg: TrainConfig, started: float) -> Run:
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
     return Run(
-        cfg, out, store, learner, serving, capture, launcher, log, train_tasks,
+        cfg, out, store, learner, serving, capture, launcher, evaluate, log, train_tasks,
         eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
     )  # fmt: skip
+
+
+def make_evaluator(cfg: TrainConfig, coding: Coding) -> Evaluate:
+    if cfg.rollout.evaluator == "coding":
+        return CodingEvaluator(coding, cfg.rollout.coding.grade)
+    return get_evaluator(cfg.rollout.evaluator)
 
 
 def make_learner(cfg: TrainConfig, model: Any) -> Learner:
@@ -205,7 +235,7 @@ def resume(run: Run) -> None:
 
 
 def teardown(run: Run) -> None:
-    if isinstance(run.launcher, LocalLauncher):
+    if isinstance(run.launcher, LocalLauncher | CodingLauncher):
         run.launcher.stop()
     run.capture.stop()
     run.serving.stop()
@@ -229,7 +259,9 @@ def play(run: Run, tasks: list[Task], prefix: str, runs_per_task: int) -> RoundR
         attempt=int(run.position["attempt"]),
         reward=run.capture.reward_credential,
     )
-    return run_round(specs, run.launcher, run.store, get_evaluator(r.evaluator), r.posted_reward)
+    # Graders run tests in sandboxes: several at once; the other evaluators are instant.
+    workers = r.coding.grade_workers if isinstance(run.evaluate, CodingEvaluator) else 1
+    return run_round(specs, run.launcher, run.store, run.evaluate, r.posted_reward, workers)
 
 
 def collect(run: Run, step: int) -> RoundResult:
@@ -289,6 +321,7 @@ def update(run: Run, step: int, rollouts: RoundResult) -> dict[str, Any]:
         "t_rollout": rollouts.duration_s,
         "t_update": t_update,
         **staleness,
+        **coding_metrics(rollouts),
         **{f"learner_{k}": v for k, v in learner_metrics.items()},
     }
 
@@ -315,6 +348,7 @@ def evaluate(run: Run, step: int) -> float:
             "eval_pass_rate": result.pass_rate,
             "eval_runs_failed": result.failed,
             "t_eval": result.duration_s,
+            **coding_metrics(result, prefix="eval_"),
         },
         kind="eval",
     )
@@ -368,7 +402,7 @@ def train(run: Run) -> None:
             if last:
                 break
     except BaseException:
-        if isinstance(run.launcher, LocalLauncher):
+        if isinstance(run.launcher, LocalLauncher | CodingLauncher):
             run.launcher.stop()  # interrupted: the step's runs are abandoned, not waited for
         raise
     finally:
@@ -426,7 +460,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
     prog = "python -m harnessrl.train"
     cfg = parse_config(argv, prog, __doc__ or "")
     try:
-        get_evaluator(cfg.rollout.evaluator)  # a user's module:function must import, now
+        if cfg.rollout.evaluator != "coding":  # built from the coding tasks, at setup
+            get_evaluator(cfg.rollout.evaluator)  # a user's module:function must import, now
     except ValueError as err:
         fail(prog, err)
     return cfg

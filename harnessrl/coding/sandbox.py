@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -246,8 +247,13 @@ class Sandbox:
         env: dict[str, str] | None = None,
         writable: tuple[Path, ...] = (),
         stdin: str | None = None,
+        on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
     ) -> Completed:
-        """Run `argv` in the workdir under the sandbox's isolation and limits."""
+        """Run `argv` in the workdir under the sandbox's isolation and limits.
+
+        `on_start` gets the process as soon as it runs (its group id is its pid), so that a
+        caller can kill a command that is still running, e.g. on Ctrl-C.
+        """
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         if not limit > 0:
             raise ValueError(f"timeout_s must be > 0, got {limit!r}")
@@ -261,6 +267,8 @@ class Sandbox:
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 start_new_session=True,
             )  # fmt: skip
+            if on_start is not None:
+                on_start(proc)
             timed_out = False
             try:
                 proc.communicate(stdin.encode() if stdin is not None else None, timeout=limit)

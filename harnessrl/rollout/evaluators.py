@@ -23,7 +23,9 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 @dataclass(frozen=True)
 class Evaluation:
-    reward: float
+    """A run's reward; None means the evaluator could not judge (the run is marked failed)."""
+
+    reward: float | None
     info: dict[str, Any] = field(default_factory=dict)
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harnessrl.rollout.evaluators import Evaluate
+from harnessrl.rollout.evaluators import Evaluate, Evaluation
 from harnessrl.rollout.tasks import Launcher, RunResult, RunSpec, Task
 from harnessrl.traces.schema import (
     TERMINAL_STATES,
@@ -41,6 +42,7 @@ class RoundResult:
     calls: int = 0
     duration_s: float = 0.0
     tasks: dict[str, Task] = field(default_factory=dict)  # rollout id → task
+    infos: dict[str, dict[str, Any]] = field(default_factory=dict)  # rollout id → record info
 
     @property
     def failed(self) -> int:
@@ -104,16 +106,20 @@ def run_round(
     store: TraceStore,
     evaluate: Evaluate,
     posted_reward: str = "keep",
+    eval_workers: int = 1,
 ) -> RoundResult:
     """Create the rollout records, run every spec, then finish each record with its outcome.
 
     `posted_reward` (keep | ignore | require) says what a reward the harness posted itself
-    counts for; see `POSTED_REWARD`.
+    counts for; see `POSTED_REWARD`. Up to `eval_workers` runs are evaluated at once (a grader
+    that runs tests in a sandbox is slow; the built-in checks are instant).
     """
     if posted_reward not in POSTED_REWARD:
         raise ValueError(
             f"posted_reward must be one of {tuple(POSTED_REWARD)}, got {posted_reward!r}"
         )
+    if isinstance(eval_workers, bool) or not isinstance(eval_workers, int) or eval_workers < 1:
+        raise ValueError(f"eval_workers must be an integer >= 1, got {eval_workers!r}")
     start = time.monotonic()
     now = time.time()
     for spec in specs:
@@ -134,28 +140,50 @@ def run_round(
         rewards={},
         tasks={s.rollout_id: s.task for s in specs},
     )
+    opened: list[RolloutRecord | _Unscored] = []
     for spec, result in zip(specs, results, strict=True):
         calls = store.calls(spec.rollout_id)
         out.calls += len(calls)
-        record = _finish(store, spec, result, calls, evaluate, posted_reward)
+        opened.append(_open(store, spec, result, calls, posted_reward))
+    todo = [(i, o) for i, o in enumerate(opened) if isinstance(o, _Unscored)]
+    scored = _evaluate_all(evaluate, [o for _, o in todo], eval_workers)
+    for (i, pending), evaluation in zip(todo, scored, strict=True):
+        opened[i] = _score(store, pending, evaluation)
+    for result, record in zip(results, opened, strict=True):
+        assert isinstance(record, RolloutRecord)
         # The record's final word: a harness that reported itself, or posted no reward when
-        # one was required, is counted as the store has it.
+        # one was required, or a grader that could not judge, is counted as the store has it.
         out.results.append(replace(result, state=record.state))
+        out.infos[record.rollout_id] = record.info
         if record.state == RolloutState.SUCCEEDED and record.reward is not None:
-            out.rewards[spec.rollout_id] = record.reward
+            out.rewards[record.rollout_id] = record.reward
     out.duration_s = time.monotonic() - start
     return out
 
 
-def _finish(
+@dataclass
+class _Unscored:
+    """A succeeded run that the evaluator still has to score."""
+
+    spec: RunSpec
+    result: RunResult
+    calls: Sequence[CallRecord]
+    info: dict[str, Any]
+
+
+def _open(
     store: TraceStore,
     spec: RunSpec,
     result: RunResult,
     calls: Sequence[CallRecord],
-    evaluate: Evaluate,
     posted_reward: str,
-) -> RolloutRecord:
-    info: dict[str, Any] = {"duration_s": round(result.duration_s, 3), "calls": len(calls)}
+) -> RolloutRecord | _Unscored:
+    """Finish every run that needs no evaluator; the others come back unscored."""
+    info: dict[str, Any] = {
+        **result.info,
+        "duration_s": round(result.duration_s, 3),
+        "calls": len(calls),
+    }
     if result.stderr:
         info["stderr_tail"] = result.stderr[-STDERR_TAIL:]
     record = store.rollout(spec.rollout_id)
@@ -174,20 +202,39 @@ def _finish(
         )
     info["output"] = result.output[-500:]
     if posted is not None and posted_reward != "ignore":
-        reward, info["reward_source"] = posted, "posted"
-    elif posted_reward == "require":
+        info["reward_source"] = "posted"
+        return store.transition(
+            spec.rollout_id,
+            RolloutState.SUCCEEDED,
+            reward=posted,
+            exit_code=result.exit_code,
+            info=info,
+        )
+    if posted_reward == "require":
         info["error"] = "the harness posted no reward (rollout.posted_reward=require)"
         return store.transition(
             spec.rollout_id, RolloutState.FAILED, exit_code=result.exit_code, info=info
         )
-    else:
-        evaluation = evaluate(spec.task, result, calls)
-        info.update(evaluation.info, reward_source="evaluator")
-        reward = float(evaluation.reward)
+    return _Unscored(spec, result, calls, info)
+
+
+def _evaluate_all(evaluate: Evaluate, todo: list[_Unscored], workers: int) -> list[Evaluation]:
+    def one(u: _Unscored) -> Evaluation:
+        return evaluate(u.spec.task, u.result, u.calls)
+
+    if workers == 1 or len(todo) < 2:
+        return [one(u) for u in todo]
+    with ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+        return list(pool.map(one, todo))
+
+
+def _score(store: TraceStore, u: _Unscored, evaluation: Evaluation) -> RolloutRecord:
+    info = {**u.info, **evaluation.info, "reward_source": "evaluator"}
+    rid, code = u.spec.rollout_id, u.result.exit_code
+    if evaluation.reward is None:
+        # The evaluator could not judge (a grader that never ran): failed, never a reward of 0.
+        info.setdefault("error", "the evaluator could not score this run")
+        return store.transition(rid, RolloutState.FAILED, exit_code=code, info=info)
     return store.transition(
-        spec.rollout_id,
-        RolloutState.SUCCEEDED,
-        reward=reward,
-        exit_code=result.exit_code,
-        info=info,
+        rid, RolloutState.SUCCEEDED, reward=float(evaluation.reward), exit_code=code, info=info
     )

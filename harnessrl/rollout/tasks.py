@@ -91,7 +91,8 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What a finished run left behind; `output` is the harness's final answer (its stdout)."""
+    """What a finished run left behind; `output` is the harness's final answer (its stdout, or
+    for coding tasks the diff we took of its checkout)."""
 
     rollout_id: str
     state: RolloutState
@@ -100,6 +101,7 @@ class RunResult:
     stderr: str
     duration_s: float
     output: str
+    info: dict[str, Any] = field(default_factory=dict)  # the launcher's details, for the record
 
 
 class Launcher(Protocol):
