@@ -47,15 +47,20 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+async def send_body(
+    send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]] = ()
+) -> None:
+    """One whole response from a pure-ASGI handler: `headers`, its length, then `body`."""
+    start = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": body})
+
+
 async def send_json(
     send: Send, status: int, body: Any, headers: Iterable[tuple[bytes, bytes]] = ()
 ) -> None:
-    """One whole JSON response from a pure-ASGI handler."""
-    payload = orjson.dumps(body)
-    length = (b"content-length", str(len(payload)).encode())
-    start = [(b"content-type", b"application/json"), length, *headers]
-    await send({"type": "http.response.start", "status": status, "headers": start})
-    await send({"type": "http.response.body", "body": payload})
+    json_type = (b"content-type", b"application/json")
+    await send_body(send, status, orjson.dumps(body), [json_type, *headers])
 
 
 def error_response(status: int, message: str) -> bytes:

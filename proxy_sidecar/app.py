@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from harnessrl.listener import error_body, send_json
+from harnessrl.listener import error_body, send_body, send_json
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
@@ -52,10 +52,7 @@ class Passthrough:
         except SidecarError as err:
             await send_error(send, err)
             return
-        headers, _ = response_headers(resp)
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_body(send, resp.status, body, response_headers(resp)[0])
 
 
 class Health:
@@ -74,9 +71,7 @@ class MetricsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, ctype = self.state.metrics.render()
-        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_body(send, 200, body, [(b"content-type", ctype.encode())])
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

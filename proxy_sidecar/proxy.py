@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from harnessrl.listener import send_body
 from harnessrl.traces.schema import EndpointKind, policy_version_error
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
 from proxy_sidecar.control import SidecarState, parse_object, read_body
@@ -162,6 +163,9 @@ class ProxyEndpoint:
         path = self.path + (
             "?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""
         )
+        common: dict[str, Any] = dict(
+            endpoint=self.endpoint, rollout_id=rollout_id, started=started, request=request
+        )
         try:
             upstream, resp = await state.pool.request(
                 rollout_id, "POST", path, upstream_headers(scope), body
@@ -170,28 +174,19 @@ class ProxyEndpoint:
         except SidecarError as err:
             state.metrics.upstream_errors.labels("connect").inc()
             record = build_record(
-                endpoint=self.endpoint,
-                rollout_id=rollout_id,
-                started=started,
-                request=request,
                 status=err.status,
                 body=None,
                 upstream="",
                 policy_version=state.policy_version,
                 error=f"upstream: {err.message}",
+                **common,
             )
             await self._store(record, stream=False)
             await send_error(send, err)
             return
         headers, raw_version = response_headers(resp)
-        common = dict(
-            endpoint=self.endpoint,
-            rollout_id=rollout_id,
-            started=started,
-            request=request,
-            upstream=upstream.url,
-            policy_version=self._served_version(raw_version, upstream.url),
-        )
+        common["upstream"] = upstream.url
+        common["policy_version"] = self._served_version(raw_version, upstream.url)
         stream = any(n == b"content-type" and b"text/event-stream" in v for n, v in headers)
         if stream:
             await self._stream(receive, send, resp, headers, common)
@@ -248,9 +243,7 @@ class ProxyEndpoint:
         if await self._store(record, stream=False) is None:
             await send_error(send, Unavailable("trace store could not record the call"))
             return
-        headers.append((b"content-length", str(len(raw)).encode()))
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        await send_body(send, resp.status, raw, headers)
 
     async def _stream(
         self,
