@@ -7,7 +7,6 @@ ids (the same table is printed), and optionally a JSONL of dropped rows with ste
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -17,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli import command_line
+from harnessrl.cli import command_line, fail
 from harnessrl.coding.dedup import (
     contamination,
     cutoff_time,
@@ -25,23 +24,13 @@ from harnessrl.coding.dedup import (
     read_eval_set,
 )
 from harnessrl.coding.grade import Grade, GradeConfig, grade
+from harnessrl.coding.probe import PassKFilter, Probe, loop_probe, select_passk
 from harnessrl.coding.repo import GitError, git, mirror_of
 from harnessrl.coding.tasks import CodingTask, RowError, task_from_row
 
 PROG = "python -m harnessrl.coding.clean"
-STEPS = (
-    "statement",
-    "source",
-    "tests",
-    "license",
-    "decontaminate",
-    "dedup",
-    "gold",
-    "f2p",
-    "passk",
-)
-# One task's rewards over k probing runs; None where the grader never judged a run.
-Probe = Callable[[Sequence[CodingTask], int], dict[str, list[float | None]]]
+STEPS = ("statement", "source", "tests", "license", "decontaminate", "dedup", "gold", "f2p",
+         "passk")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,21 +96,6 @@ class DedupFilter:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
         if self.shingle_words < 1:
             raise ValueError(f"shingle_words must be >= 1, got {self.shingle_words!r}")
-
-
-@dataclass(frozen=True)
-class PassKFilter:
-    """passk: k runs of the current policy per task; keep mixed outcomes, some all-fail ones."""
-
-    k: int = 0  # runs per task; 0: the step is off
-    keep_all_fail: float = 0.0  # share of all-fail tasks kept (chosen by seed)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.k < 0:
-            raise ValueError(f"k must be >= 0, got {self.k!r}")
-        if not 0.0 <= self.keep_all_fail <= 1.0:
-            raise ValueError(f"keep_all_fail must be in [0, 1], got {self.keep_all_fail!r}")
 
 
 @dataclass(frozen=True)
@@ -204,11 +178,15 @@ class Report:
                 "rows_out": len(self.kept), "steps": [asdict(s) for s in self.steps]}  # fmt: skip
 
     def table(self) -> str:
-        lines = [f"{'step':<14}{'in':>7}{'out':>7}{'dropped':>9}{'seconds':>9}  note"]
-        for s in self.steps:
-            lines.append(f"{s.name:<14}{s.rows_in:>7}{s.rows_out:>7}{len(s.dropped):>9}"
-                         f"{s.seconds:>9.1f}  {s.note}".rstrip())  # fmt: skip
-        return "\n".join(lines) + "\n"
+        return "".join([TABLE_HEAD, *(table_row(s) for s in self.steps)])
+
+
+TABLE_HEAD = f"{'step':<14}{'in':>7}{'out':>7}{'dropped':>9}{'seconds':>9}  note\n"
+
+
+def table_row(s: Step) -> str:
+    return (f"{s.name:<14}{s.rows_in:>7}{s.rows_out:>7}{len(s.dropped):>9}{s.seconds:>9.1f}  "
+            f"{s.note}").rstrip() + "\n"  # fmt: skip
 
 
 def read_rows(path: Path, kind: str) -> tuple[list[Row], list[Dropped]]:
@@ -369,32 +347,7 @@ def check_f2p(tasks: list[CodingTask], config: CleanConfig) -> dict[int, str]:
     return out
 
 
-def select_passk(rewards: dict[str, list[float | None]], tasks: Sequence[CodingTask],
-                 config: PassKFilter) -> dict[int, str]:  # fmt: skip
-    """Keep tasks whose graded runs disagree, and `keep_all_fail` of those that always failed."""
-    out: dict[int, str] = {}
-    all_fail: list[int] = []
-    for i, task in enumerate(tasks):
-        graded = [r for r in rewards.get(task.instance_id, []) if r is not None]
-        if not graded:
-            out[i] = f"none of its {config.k} probing runs was graded"
-        elif len(set(graded)) > 1:
-            continue
-        elif graded[0] == 0.0:
-            all_fail.append(i)
-        else:
-            out[i] = f"reward {graded[0]} in all {len(graded)} graded runs: nothing to learn"
-    key = lambda i: hashlib.sha256(f"{config.seed}:{tasks[i].instance_id}".encode()).digest()  # noqa: E731
-    keep = set(sorted(all_fail, key=key)[: round(config.keep_all_fail * len(all_fail))])
-    for i in all_fail:
-        if i not in keep:
-            out[i] = (
-                f"failed all {config.k} probing runs (passk.keep_all_fail={config.keep_all_fail})"
-            )
-    return out
-
-
-def _off(name: str, config: CleanConfig, probe: Probe | None) -> str:
+def _off(name: str, config: CleanConfig) -> str:
     """Why a listed step has nothing to do ("" when it runs)."""
     if name == "license" and not config.license.allow:
         return "off: no license.allow"
@@ -404,8 +357,6 @@ def _off(name: str, config: CleanConfig, probe: Probe | None) -> str:
         return "off: no decontaminate.eval_set or created_after"
     if name == "passk" and config.passk.k == 0:
         return "off: passk.k=0"
-    if name == "passk" and probe is None:
-        raise ValueError("passk.k > 0 needs a probe (the policy's runs)")
     return ""
 
 
@@ -416,22 +367,32 @@ CHECKS: dict[str, Callable[[list[CodingTask], CleanConfig], dict[int, str]]] = {
 }  # fmt: skip
 
 
-def clean(config: CleanConfig, probe: Probe | None = None) -> Report:
-    """Run the schema step, then `config.steps` in order; write the kept rows and the report."""
+def clean(
+    config: CleanConfig,
+    probe: Probe | None = None,
+    on_step: Callable[[Step], None] = lambda s: None,
+) -> Report:
+    """Run the schema step, then `config.steps` in order; write the kept rows and the report.
+
+    `probe` plays the passk step's runs; by default one round of the train loop (`loop_probe`).
+    `on_step` sees each step as it ends (a long grading run shows its progress).
+    """
     if not config.input or not config.output:
         raise ValueError("clean needs an input and an output path")
-    notes = {name: _off(name, config, probe) for name in config.steps}  # config errors first
+    notes = {name: _off(name, config) for name in config.steps}
+    probe_dir = Path(config.passk.out_dir or f"{config.output}.passk")
+    probe = probe or loop_probe(config.passk, config.input, probe_dir)
     start = time.monotonic()
     rows, dropped = read_rows(Path(config.input), config.kind)
     schema = {d.name: d.reason for d in dropped}
     steps = [Step("schema", len(rows) + len(dropped), len(rows), _since(start), "", schema)]
+    on_step(steps[0])
     for name in config.steps:
         start = time.monotonic()
         verdicts: dict[int, str] = {}
         if rows and not notes[name]:
             tasks = [r.task for r in rows]
             if name == "passk":
-                assert probe is not None  # _off said so
                 verdicts = select_passk(probe(tasks, config.passk.k), tasks, config.passk)
             else:
                 verdicts = CHECKS[name](tasks, config)
@@ -439,6 +400,7 @@ def clean(config: CleanConfig, probe: Probe | None = None) -> Report:
         dropped += [Dropped(r.line, r.text, r.task.instance_id, name, why) for r, why in gone]
         steps.append(Step(name, len(rows), len(rows) - len(gone), _since(start), notes[name],
                           {r.task.instance_id: why for r, why in gone}))  # fmt: skip
+        on_step(steps[-1])
         rows = [r for i, r in enumerate(rows) if i not in verdicts]
     report = Report(config.input, config.output, steps, rows, dropped)
     _write(report, config)
@@ -474,12 +436,15 @@ def parse_args(argv: Sequence[str]) -> CleanConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
+
+    def show(step: Step) -> None:
+        sys.stdout.write((TABLE_HEAD if step.name == "schema" else "") + table_row(step))
+        sys.stdout.flush()
+
     try:
-        report = clean(config)
+        report = clean(config, on_step=show)
     except ValueError as err:
-        sys.stderr.write(f"{PROG}: error: {err}\n")
-        return 2
-    sys.stdout.write(report.table())
+        fail(PROG, err)
     rows_in = report.steps[0].rows_in
     print(f"kept {len(report.kept)} of {rows_in} rows: {config.output} "
           f"(report: {config.output}.report.json)")  # fmt: skip
