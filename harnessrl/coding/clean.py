@@ -242,19 +242,13 @@ def _branches(task: CodingTask, mirrors: str, cache: dict[str, set[str] | str]) 
 
 
 def check_source(tasks: list[CodingTask], config: CleanConfig) -> dict[int, str]:
-    mirrors = config.grade.sandbox.mirrors
     cache: dict[str, set[str] | str] = {}
     out = {}
     for i, task in enumerate(tasks):
         if config.source.require_image and not task.image:
             out[i] = "no image (source.require_image is set)"
         elif config.source.branches and task.kind == "swe-smith":
-            if not mirrors:
-                raise ValueError(
-                    "SWE-smith rows need grade.sandbox.mirrors to check their branches (and to "
-                    "grade): set it, or source.branches=false and leave out gold and f2p"
-                )
-            heads = _branches(task, mirrors, cache)
+            heads = _branches(task, config.grade.sandbox.mirrors, cache)
             if isinstance(heads, str) or task.branch not in heads:
                 out[i] = heads if isinstance(heads, str) else (
                     f"branch {task.branch!r} is not in the mirror of {task.repo!r}"
@@ -384,6 +378,7 @@ def clean(
     probe = probe or loop_probe(config.passk, config.input, probe_dir)
     start = time.monotonic()
     rows, dropped = read_rows(Path(config.input), config.kind)
+    _check_mirrors([r.task for r in rows], config)
     schema = {d.name: d.reason for d in dropped}
     steps = [Step("schema", len(rows) + len(dropped), len(rows), _since(start), "", schema)]
     on_step(steps[0])
@@ -405,6 +400,21 @@ def clean(
     report = Report(config.input, config.output, steps, rows, dropped)
     _write(report, config)
     return report
+
+
+def _check_mirrors(tasks: list[CodingTask], config: CleanConfig) -> None:
+    """Stop before any step runs if repository-backed rows have nowhere to be checked out from."""
+    if config.grade.sandbox.mirrors:
+        return
+    smith = config.source.branches and "source" in config.steps
+    need = [t for t in tasks if t.repo and not t.files and (
+        {"gold", "f2p"} & set(config.steps) or (smith and t.kind == "swe-smith"))]  # fmt: skip
+    if need:
+        raise ValueError(
+            f"{len(need)} rows name repositories (e.g. {need[0].repo!r} for "
+            f"{need[0].instance_id!r}), which the gold, f2p and source steps check out: set "
+            "grade.sandbox.mirrors (a folder of clones or a URL template), or leave those steps out"
+        )
 
 
 def _since(start: float) -> float:

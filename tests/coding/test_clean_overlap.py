@@ -179,12 +179,17 @@ def test_bad_command_lines_exit_2_naming_the_key(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_swe_smith_rows_without_mirrors_stop_with_what_to_set(tmp_path, capsys):
+def test_repository_rows_without_mirrors_stop_before_any_step_with_what_to_set(tmp_path, capsys):
     row = {"instance_id": "acme__calc.1234abcd.x", "repo": "swesmith/acme__calc.1234abcd",
            "patch": "", "FAIL_TO_PASS": ["t.py::t"], "problem_statement": "p" * 50}  # fmt: skip
     (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(SystemExit) as exit:
         main([str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")])
     assert exit.value.code == 2
-    assert "need grade.sandbox.mirrors" in capsys.readouterr().err
+    assert "set grade.sandbox.mirrors" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()  # nothing half-written
+    # Steps that check nothing out run without mirrors.
+    assert (
+        main([str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--steps=tests,dedup"]) == 0
+    )
+    assert (tmp_path / "out.jsonl").read_text() == json.dumps(row) + "\n"
