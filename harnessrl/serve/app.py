@@ -171,15 +171,15 @@ async def load_weights(request: Request) -> JSONResponse:
     loader: ParamsLoader = request.app.state.params_loader
     _check_admin(request, request.app.state.admin_token)  # before the body is even read
     body = await _read(request, backend)
-    path, version = (
-        (body.get("path"), body.get("version")) if isinstance(body, dict) else (None, None)
-    )
+    fields = body if isinstance(body, dict) else {}
+    path, version = fields.get("path"), fields.get("version")
     if not isinstance(path, str) or not path:
         raise RequestError(
             f"path must be the exported model folder, got {path!r:.200}", param="path"
         )
     if error := policy_version_error(version):
         raise RequestError(f"version {error}", param="version")
+    assert isinstance(version, int)  # what policy_version_error accepts
     try:
         params = await asyncio.to_thread(loader, path)
         await asyncio.to_thread(backend.engine.swap_params, params, version)
