@@ -26,7 +26,7 @@ from harnessrl.coding.dedup import (
 from harnessrl.coding.grade import Grade, GradeConfig, grade
 from harnessrl.coding.probe import PassKFilter, Probe, loop_probe, select_passk
 from harnessrl.coding.repo import GitError, git, mirror_of
-from harnessrl.coding.tasks import CodingTask, RowError, task_from_row
+from harnessrl.coding.tasks import KINDS, CodingTask, RowError, task_from_row
 
 PROG = "python -m harnessrl.coding.clean"
 STEPS = ("statement", "source", "tests", "license", "decontaminate", "dedup", "gold", "f2p",
@@ -121,6 +121,8 @@ class CleanConfig:
         unknown = [s for s in self.steps if s not in STEPS]
         if unknown or len(set(self.steps)) != len(self.steps):
             raise ValueError(f"steps must be distinct names from {STEPS}, got {self.steps!r}")
+        if self.kind not in ("auto", *KINDS):
+            raise ValueError(f"kind must be 'auto' or one of {KINDS}, got {self.kind!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers!r}")
         if self.input and self.output and Path(self.input).resolve() == Path(self.output).resolve():
@@ -177,9 +179,6 @@ class Report:
         return {"input": self.input, "output": self.output, "rows_in": self.steps[0].rows_in,
                 "rows_out": len(self.kept), "steps": [asdict(s) for s in self.steps]}  # fmt: skip
 
-    def table(self) -> str:
-        return "".join([TABLE_HEAD, *(table_row(s) for s in self.steps)])
-
 
 TABLE_HEAD = f"{'step':<14}{'in':>7}{'out':>7}{'dropped':>9}{'seconds':>9}  note\n"
 
@@ -196,7 +195,9 @@ def read_rows(path: Path, kind: str) -> tuple[list[Row], list[Dropped]]:
     rows: list[Row] = []
     bad: list[Dropped] = []
     seen: dict[str, int] = {}
-    for lineno, text in enumerate(path.read_text().splitlines(), start=1):
+    # Lines end at "\n" only: JSON text may hold a raw U+2028 or U+0085, which splitlines() splits.
+    for lineno, text in enumerate(path.read_text().split("\n"), start=1):
+        text = text.removesuffix("\r")
         if not text.strip():
             continue
         where = f"{path}:{lineno}"

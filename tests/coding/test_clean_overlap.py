@@ -170,6 +170,7 @@ def test_eval_set_rows_without_an_instance_id_are_named(tmp_path):
         (["in.jsonl", "in.jsonl"], "--output must not be the input file"),
         (["in.jsonl", "out.jsonl", "--threshold=0"], "--threshold must be in (0, 1]"),
         (["in.jsonl", "out.jsonl", "--min-char=3"], "did you mean 'statement.min_chars'"),
+        (["in.jsonl", "out.jsonl", "--kind=swebench"], "--kind must be 'auto' or one of"),
     ],
 )
 def test_bad_command_lines_exit_2_naming_the_key(args, message, capsys):
@@ -193,3 +194,12 @@ def test_repository_rows_without_mirrors_stop_before_any_step_with_what_to_set(t
         main([str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--steps=tests,dedup"]) == 0
     )
     assert (tmp_path / "out.jsonl").read_text() == json.dumps(row) + "\n"
+
+
+def test_rows_are_split_at_newlines_only_and_kept_byte_for_byte(tmp_path):
+    task = load_shipped()[0]
+    row = dict(task.to_row(), problem_statement=task.problem_statement + "\u2028\u0085 end")
+    text = json.dumps(row, ensure_ascii=False)  # raw separators inside a JSON string
+    (tmp_path / "in.jsonl").write_text(text + "\r\n\n")
+    assert main([str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--steps=statement"]) == 0
+    assert (tmp_path / "out.jsonl").read_text() == text + "\n"
