@@ -143,7 +143,7 @@ def read_eval_set(path: str | Path) -> EvalSet:
     ids: set[str] = set()
     repos: set[str] = set()
     prs: dict[tuple[str, int], str] = {}
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(p.read_text().split("\n"), start=1):  # as read_jsonl does
         if not line.strip():
             continue
         try:

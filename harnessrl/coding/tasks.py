@@ -195,7 +195,8 @@ def read_jsonl(path: str | Path, *, kind: str = "auto") -> list[CodingTask]:
         raise ValueError(f"task file {str(p)!r} does not exist")
     tasks: list[CodingTask] = []
     seen: dict[str, int] = {}
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+    # Lines end at "\n" only: JSON text may hold a raw U+2028 or U+0085, which splitlines() splits.
+    for lineno, line in enumerate(p.read_text().split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{p}:{lineno}"

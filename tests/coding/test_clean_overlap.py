@@ -23,7 +23,7 @@ from harnessrl.coding.dedup import (
     repo_name,
     shingles,
 )
-from harnessrl.coding.tasks import CodingTask, RowError
+from harnessrl.coding.tasks import CodingTask, RowError, read_jsonl
 from harnessrl.coding.taskset import load_shipped
 
 
@@ -203,3 +203,5 @@ def test_rows_are_split_at_newlines_only_and_kept_byte_for_byte(tmp_path):
     (tmp_path / "in.jsonl").write_text(text + "\r\n\n")
     assert main([str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--steps=statement"]) == 0
     assert (tmp_path / "out.jsonl").read_text() == text + "\n"
+    # and the trainer reads the cleaned file back as the same task
+    assert read_jsonl(tmp_path / "out.jsonl")[0].problem_statement == row["problem_statement"]
