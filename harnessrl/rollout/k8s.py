@@ -33,6 +33,32 @@ _RETRYABLE = {429, 500, 502, 503, 504}
 
 
 @dataclass(frozen=True)
+class KubernetesCodingConfig:
+    """Coding tasks as Jobs (harnessrl.pods): where repositories come from, the pod's workspace."""
+
+    # PVC of clones named owner__name, mounted read-only into the checkout step only; needed by
+    # tasks that name a repository (inline tasks carry their files)
+    mirrors_claim: str = ""
+    mirrors_sub_path: str = ""  # the clones' folder inside that claim ("" = its root)
+    workspace: str = "8Gi"  # size limit of the pod's checkout and harness files (emptyDir)
+    setup_s: int = 600  # Job deadline beyond rollout.timeout_s: the checkout and the diff
+    uid: int = 10001  # the pods' user (non-root), as in k8s/Dockerfile
+
+    def __post_init__(self) -> None:
+        for name in ("setup_s", "uid"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"rollout.kubernetes.coding.{name} must be an int >= 1, got {value!r}"
+                )
+        if self.mirrors_sub_path.startswith("/") or ".." in self.mirrors_sub_path.split("/"):
+            raise ValueError(
+                "rollout.kubernetes.coding.mirrors_sub_path must be a relative path inside the "
+                f"claim, got {self.mirrors_sub_path!r}"
+            )
+
+
+@dataclass(frozen=True)
 class KubernetesLauncherConfig:
     """How harness Jobs look and how fast they are created."""
 
@@ -52,6 +78,7 @@ class KubernetesLauncherConfig:
     memory: str = "2Gi"  # harness container memory request and limit
     watch_timeout_s: int = 30  # longest single watch of the Jobs before listing again
     max_log_bytes: int = 1_000_000  # of each harness log read back as the run's output
+    coding: KubernetesCodingConfig = field(default_factory=KubernetesCodingConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.command, tuple) or not all(isinstance(c, str) for c in self.command):
@@ -229,10 +256,12 @@ class _Live:
 class KubernetesLauncher:
     """Runs each spec as a Job; at most `concurrency` Jobs alive, created at most `creates_per_s`."""
 
+    builds_command = False  # True: a subclass makes each Job's argv itself (config.command unused)
+
     def __init__(self, config: KubernetesLauncherConfig, api_client: Any = None) -> None:
         from kubernetes import client
 
-        if not config.image or not config.command:
+        if not config.image or not (config.command or self.builds_command):
             raise ValueError(
                 "KubernetesLauncherConfig needs the harness image and command, got "
                 f"image={config.image!r}, command={config.command!r}"
@@ -292,7 +321,7 @@ class KubernetesLauncher:
     def _create(self, spec: RunSpec, batch: str) -> str | None:
         from kubernetes.client.exceptions import ApiException
 
-        body = job_manifest(spec, self.config, batch, self.policy_version)
+        body = self.manifest(spec, batch)
         for attempt in range(4):
             now = time.monotonic()
             time.sleep(max(0.0, self._next_create - now))
@@ -308,6 +337,17 @@ class KubernetesLauncher:
                 why = f"could not reach the API server to create a Job: {err}"
             time.sleep(0.2 * 2**attempt)
         return why
+
+    def manifest(self, spec: RunSpec, batch: str) -> dict[str, Any]:
+        """The Job of one run (a subclass may shape its own)."""
+        return job_manifest(spec, self.config, batch, self.policy_version)
+
+    def result(
+        self, spec: RunSpec, state: RolloutState, started: float, exit_code: int | None,
+        log: str, stderr: str,
+    ) -> RunResult:  # fmt: skip
+        """The run's result from its Job's outcome and its harness log (the log is the output)."""
+        return _result(spec, state, started, exit_code, log, stderr)
 
     def _wait(self, live: dict[str, _Live], results: dict[str, RunResult], batch: str) -> None:
         """Settle what already finished; otherwise watch until one Job ends or a deadline nears."""
@@ -385,7 +425,9 @@ class KubernetesLauncher:
         exit_code, log, pod_note = self._collect(name)
         state, note = outcome
         stderr = "\n".join(f"[harnessrl] {n}" for n in (note, pod_note) if n)
-        results[lv.spec.rollout_id] = _result(lv.spec, state, lv.started, exit_code, log, stderr)
+        results[lv.spec.rollout_id] = self.result(
+            lv.spec, state, lv.started, exit_code, log, stderr
+        )
         if not self.config.keep_jobs or state is RolloutState.TIMED_OUT:
             self._delete(name)
 
