@@ -131,8 +131,17 @@ def make_launcher(cfg: TrainConfig, coding: Coding) -> Launcher:
     r = cfg.rollout
     if coding:
         code = r.coding
-        command = harness_command(cfg, code.command) if code.command else ()
         mini_config = harness_command(cfg, (code.mini_config,))[0]
+        if r.launcher == "kubernetes":  # a Job per run; {python}, {examples} expand in the pod
+            from harnessrl.pods.coding import KubernetesCodingLauncher
+
+            k8s = dataclasses.replace(
+                r.kubernetes, sidecar=dataclasses.replace(r.kubernetes.sidecar, upstream=r.servers)
+            )
+            code = dataclasses.replace(code, mini_config=mini_config)
+            model = cfg.sidecar.model or cfg.serve.model_name
+            return KubernetesCodingLauncher(k8s, code, coding, model=model)
+        command = harness_command(cfg, code.command) if code.command else ()
         return CodingLauncher(
             dataclasses.replace(code, command=command, mini_config=mini_config),
             coding,
