@@ -230,7 +230,9 @@ def _shape_harness(
         *launcher.harness_argv(spec),
     ]  # fmt: skip
     harness["workingDir"] = REPO
-    harness["env"] = [e for e in harness["env"] if e["name"] != "HARNESSRL_TASK_FILE"] + [
+    # No reward credential: a coding run's reward is our grade of its diff, never one it posts.
+    dropped = {"HARNESSRL_TASK_FILE", "HARNESSRL_REWARD_URL", "HARNESSRL_REWARD_TOKEN"}
+    harness["env"] = [e for e in harness["env"] if e["name"] not in dropped] + [
         {"name": name, "value": value}
         for name, value in {
             "HARNESSRL_TASK_FILE": f"{SPEC_DIR}/task.md",

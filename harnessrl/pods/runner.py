@@ -33,7 +33,7 @@ END = "harnessrl-diff-end "
 TRAJECTORY = "traj.json"
 LOG_TAIL = 64_000  # bytes of the harness's own output repeated in the container log
 _CHECKOUT_FIELDS = ("instance_id", "repo", "base_commit", "branch", "files", "setup")
-PR_SET_DUMPABLE = 4
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
 
 
 def checkout_row(task: CodingTask) -> dict[str, Any]:
@@ -130,12 +130,17 @@ def unframe(log: str) -> Framed:
     return Framed(before, data.decode("utf-8", "surrogateescape"), info)
 
 
-def _guard_self() -> None:
-    """No one of our uid may trace us or read our memory and fds (the harness runs as our uid)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+def _guard_self() -> bool:
+    """No one of our uid may trace us or read our memory and fds (the harness runs as our uid);
+    whether that took (it is recorded with the diff)."""
     # As the pod's PID 1 only signals with handlers reach us: SIGINT's becomes a no-op.
     signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        return bool(libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 0)
+    except (OSError, AttributeError):  # not Linux
+        return False
 
 
 def _end_others(proc: subprocess.Popen[bytes]) -> None:
@@ -171,7 +176,7 @@ def run_harness(
     graded_exits: Sequence[str] = (),
 ) -> int:  # fmt: skip
     """Run the harness in `repo`, then print the tail of its output and our framed diff."""
-    _guard_self()
+    undumpable = _guard_self()
     for folder in (out, *(Path(os.environ[v]) for v in ("HOME", "TMPDIR") if v in os.environ)):
         folder.mkdir(parents=True, exist_ok=True)
     log_path = out / "harness.log"
@@ -189,7 +194,7 @@ def run_harness(
         _end_others(proc)
     status = _exit_status(out)
     info: dict[str, Any] = {"exit_code": code, "timed_out": code is None, "exit_status": status,
-                            "harness_s": round(time.monotonic() - start, 3)}  # fmt: skip
+                            "harness_s": round(time.monotonic() - start, 3), "undumpable": undumpable}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="diff-") as scratch:
         try:
             diff = take_diff(

@@ -60,7 +60,10 @@ def launcher(kube_url: str = "http://127.0.0.1:1", **coding: Any) -> KubernetesC
 
 
 def run_spec(i: int = 0, timeout_s: float = 120.0) -> RunSpec:
-    return RunSpec(f"s0-{TASK.instance_id}-{i}", as_task(TASK), "g0", i, "http://x", timeout_s)
+    return RunSpec(
+        f"s0-{TASK.instance_id}-{i}", as_task(TASK), "g0", i, "http://x", timeout_s,
+        reward_url="http://train:9000/rollouts/r/reward", reward_token="secret",
+    )  # fmt: skip
 
 
 def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -91,6 +94,9 @@ def test_coding_job_validates_and_isolates_the_checkout() -> None:
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
         assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+    env = {e["name"]: e["value"] for e in harness["env"]}
+    assert not {"HARNESSRL_REWARD_URL", "HARNESSRL_REWARD_TOKEN"} & set(env)  # the grade is ours
+    assert env["OPENAI_BASE_URL"].startswith("http://127.0.0.1:8080/")
     mounts = by_name(harness["volumeMounts"])
     assert set(mounts) == {"work", "base", "spec"}  # neither the mirrors nor the checkout row
     assert mounts["base"]["readOnly"] is True and mounts["spec"]["readOnly"] is True
@@ -196,7 +202,8 @@ def test_runner_takes_the_diff_that_grades(tmp_path: Path) -> None:
     (tmp_path / "gold.patch").write_text(TASK.patch)
     # The harness prints a forged frame and leaves a process behind that would edit later.
     forged = frame("diff --git a/x b/x\n", {"exit_code": 0})
-    script = (
+    script = (  # and tries to read its runner's environment (the runner is not dumpable)
+        "cat /proc/$PPID/environ >/dev/null 2>&1 && echo RUNNER-READABLE || echo RUNNER-DENIED; "
         f"printf '%s' '{forged}'; git apply {tmp_path}/gold.patch; git add -A; "
         "git commit -qm done; (sleep 2; echo late >> has_close_elements.py) &"
     )
@@ -204,6 +211,9 @@ def test_runner_takes_the_diff_that_grades(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     got = unframe(done.stdout)
     assert got.diff == TASK.patch and got.info["exit_code"] == 0
+    assert got.info["undumpable"] is True
+    if os.geteuid() != 0:  # root may read any process's files, dumpable or not
+        assert "RUNNER-DENIED" in got.before
     assert BEGIN in got.before  # the forgery is only the harness's output, shown before ours
     time.sleep(2.5)  # what the harness left running was ended with it
     assert "late" not in (tmp_path / "sandbox" / "repo" / "has_close_elements.py").read_text()
