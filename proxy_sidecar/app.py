@@ -22,6 +22,7 @@ from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
+from proxy_sidecar.dialects.endpoint import TokenIn, dialect_routes
 from proxy_sidecar.errors import SidecarError, send_error
 from proxy_sidecar.metrics import Metrics
 from proxy_sidecar.proxy import read_failure, response_headers, rollout_of, upstream_headers
@@ -83,8 +84,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(status, message, kind), status)
 
 
-def routes(state: SidecarState) -> list[Route]:
+def routes(state: SidecarState, tokenin: TokenIn | None = None) -> list[Route]:
     chat, comp = EndpointKind.CHAT, EndpointKind.COMPLETIONS
+    tokenin = tokenin or TokenIn()
     out = []
     for prefix in ("/rollouts/{rollout_id}/v1", "/v1"):
         out += [
@@ -99,6 +101,7 @@ def routes(state: SidecarState) -> list[Route]:
                 methods=["POST"],
             ),
             Route(f"{prefix}/models", Passthrough(state, "/v1/models"), methods=["GET"]),
+            *dialect_routes(state, tokenin, prefix),
         ]
     out += [
         Route("/health", Health(state), methods=["GET"]),
@@ -115,9 +118,12 @@ def routes(state: SidecarState) -> list[Route]:
 def build_app(config: SidecarConfig, store: TraceStore | None = None) -> Starlette:
     """The sidecar app. A `store` passed in is used as is and left open at shutdown."""
     state = SidecarState(config, store, Metrics())
+    tokenin = TokenIn()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if config.tokenizer is not None:
+            await tokenin.load(config.tokenizer)
         store = state.store
         own_store = store is None
         if store is None:
@@ -142,7 +148,7 @@ def build_app(config: SidecarConfig, store: TraceStore | None = None) -> Starlet
                 store.close()
 
     app = Starlette(
-        routes=routes(state),
+        routes=routes(state, tokenin),
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )

