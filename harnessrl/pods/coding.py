@@ -128,6 +128,8 @@ class KubernetesCodingLauncher(KubernetesLauncher):
             if state is RolloutState.SUCCEEDED:
                 state = RolloutState.FAILED
             note = f"[harnessrl] no diff: {err}"
+            if len(log.encode()) >= self.config.max_log_bytes:
+                note += " (the log was cut at rollout.kubernetes.max_log_bytes: raise it)"
             return dataclasses.replace(
                 plain, state=state, output="", stderr="\n".join(filter(None, [stderr, note]))
             )

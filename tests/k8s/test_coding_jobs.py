@@ -3,6 +3,7 @@ against the FAKE API server (tests/k8s/fake_apiserver.py), and the shipped Netwo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -114,6 +115,29 @@ def test_coding_job_validates_and_isolates_the_checkout() -> None:
     row = json.loads(job["spec"]["template"]["metadata"]["annotations"]["harnessrl.io/checkout"])
     assert row == checkout_row(TASK) and row["files"] == dict(TASK.files)
     assert job["spec"]["template"]["metadata"]["labels"][SANDBOX_LABEL] == "coding"
+
+
+def test_own_harness_command_expands_to_the_pods_paths() -> None:
+    own = dataclasses.replace(CODING, command=("{python}", "{examples}/agent.py", "{task_file}",
+                                               "{out_dir}", "{base_url}"))  # fmt: skip
+    api = client.ApiClient(client.Configuration(host="http://127.0.0.1:1"))
+    pods = KubernetesCodingLauncher(CFG, own, {TASK.instance_id: TASK}, model="m", api_client=api)
+    spec = run_spec()
+    (harness,) = coding_job(spec, TASK, pods)["spec"]["template"]["spec"]["containers"]
+    argv = harness["command"][harness["command"].index("--") + 1 :]
+    assert argv == ["python", "/opt/harnessrl/examples/agent.py", "/var/run/harnessrl/task.md",
+                    "/sandbox/out", f"http://127.0.0.1:8080/rollouts/{spec.rollout_id}/v1"]  # fmt: skip
+
+
+def test_a_log_cut_short_says_which_limit_cut_it() -> None:
+    log = "x" * 100 + "\n" + frame(TASK.patch, {"exit_code": 0})
+    api = client.ApiClient(client.Configuration(host="http://127.0.0.1:1"))
+    cfg = dataclasses.replace(CFG, max_log_bytes=100)
+    small = KubernetesCodingLauncher(
+        cfg, CODING, {TASK.instance_id: TASK}, model="m", api_client=api
+    )
+    got = small.result(run_spec(), RolloutState.SUCCEEDED, 0.0, 0, log[:100], "")
+    assert got.state is RolloutState.FAILED and "max_log_bytes" in got.stderr
 
 
 def test_repo_tasks_need_the_mirror_volume() -> None:
