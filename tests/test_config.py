@@ -14,7 +14,7 @@ import yaml
 from harnessrl.cli import get, leaves, render, resolve
 from harnessrl.config import HELP, TrainConfig, load_config, parse_args, reference
 from harnessrl.learner.mesh import TPU_CONFIGS_DIR, available_slice_configs
-from harnessrl.rollout.k8s import KubernetesLauncherConfig
+from harnessrl.rollout.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
 from harnessrl.rollout.local import LocalLauncherConfig
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.webhook import SidecarSpec
@@ -99,10 +99,13 @@ def test_every_launcher_and_sidecar_field_is_settable() -> None:
         "sidecar": SidecarConfig,
         "rollout.kubernetes": KubernetesLauncherConfig,
         "rollout.kubernetes.sidecar": SidecarSpec,
+        "rollout.kubernetes.coding": KubernetesCodingConfig,
         "rollout.local": LocalLauncherConfig,
     }
     every = {f"{p}.{f.name}" for p, c in names.items() for f in dataclasses.fields(c)}
-    assert every - {"rollout.kubernetes.sidecar"} <= set(leaves(TrainConfig))
+    assert every - {"rollout.kubernetes.sidecar", "rollout.kubernetes.coding"} <= set(
+        leaves(TrainConfig)
+    )
 
 
 def test_the_loop_sets_the_wiring_itself() -> None:
