@@ -20,6 +20,7 @@ from harnessrl.traces.schema import CallRecord, EndpointKind
 from proxy_sidecar.capture import build_record, decode_body, error_message
 from proxy_sidecar.control import SidecarState, parse_object, read_body
 from proxy_sidecar.dialects.call import Completion, Conversation, completion_of
+from proxy_sidecar.dialects.messages import Messages
 from proxy_sidecar.dialects.responses import Responses
 from proxy_sidecar.dialects.sse import SSEReader, TextSplitter
 from proxy_sidecar.dialects.tokens import Prompt, Renderer, TurnLedger, load_tokenizer
@@ -49,7 +50,7 @@ class Dialect(Protocol):
 
     def reply(self, conv: Conversation, done: Completion, served: str) -> dict[str, Any]: ...
 
-    def writer(self, conv: Conversation, served: str) -> Writer: ...
+    def writer(self, conv: Conversation, served: str, prompt_len: int) -> Writer: ...
 
     def remember(self, conv: Conversation, done: Completion, reply: dict[str, Any]) -> None: ...
 
@@ -65,7 +66,7 @@ class TokenIn:
         self.renderer: Renderer | None = None
         self.ledger = TurnLedger()
         # One of each, shared by the plain and the per-rollout routes.
-        self.dialects: dict[str, Dialect] = {"responses": Responses()}
+        self.dialects: dict[str, Dialect] = {"responses": Responses(), "messages": Messages()}
 
     async def load(self, spec: str) -> None:
         self.renderer = Renderer(await asyncio.to_thread(load_tokenizer, spec))
@@ -288,7 +289,7 @@ class _Call:
             resp.abort()  # closes the upstream request: the server stops generating
 
         watcher = asyncio.create_task(watch())
-        writer = self.dialect.writer(self.conv, self.served)
+        writer = self.dialect.writer(self.conv, self.served, len(self.prompt.ids))
         reader, assembler = SSEReader(), StreamAssembler(_COMPLETIONS)
         splitter = TextSplitter(tools=bool(self.conv.tools))
         failure: SidecarError | None = None

@@ -193,7 +193,7 @@ class Responses:
         }
         return event("error", data)
 
-    def writer(self, conv: Conversation, served: str) -> ResponseWriter:
+    def writer(self, conv: Conversation, served: str, prompt_len: int) -> ResponseWriter:
         return ResponseWriter(conv, served)
 
     def reply(self, conv: Conversation, done: Completion, served: str) -> dict[str, Any]:
