@@ -115,7 +115,9 @@ def _run(code: Any, scope: dict[str, Any]) -> bool | None:
     def alarm(signum: int, frame: Any) -> None:
         raise _Budget
 
-    signal.signal(signal.SIGALRM, alarm)
+    # Whatever traced before (a coverage run, a debugger) is put back afterwards, as is the
+    # alarm handler.
+    previous_trace, previous_alarm = sys.gettrace(), signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, WALL_BACKSTOP_S)
     sys.settrace(tracer)
     try:
@@ -127,8 +129,9 @@ def _run(code: Any, scope: dict[str, Any]) -> bool | None:
     except Exception:
         return False
     finally:
-        sys.settrace(None)
+        sys.settrace(previous_trace)
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
 
 
 def evaluate(source: str, entry: str, checks: list[str]) -> list[bool | None]:

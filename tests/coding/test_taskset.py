@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +37,25 @@ def test_evaluate_rejects_hangs_by_a_line_budget_not_by_time():
     ]
     assert time.monotonic() - start < 30
     assert evaluate("def f(:\n", "f", ["assert candidate(1)"]) == [False]
+
+
+def test_evaluate_puts_back_the_tracer_and_alarm_handler_it_found() -> None:
+    """A coverage run or a debugger keeps tracing after a check (a reset to None would stop it)."""
+
+    def outer(frame: object, event: str, arg: object) -> None:
+        return None
+
+    def handler(signum: int, frame: object) -> None:
+        return None
+
+    previous_trace, previous_alarm = sys.gettrace(), signal.signal(signal.SIGALRM, handler)
+    sys.settrace(outer)
+    try:
+        assert evaluate("def f(n):\n    return n\n", "f", ["assert candidate(1) == 1"]) == [True]
+        assert sys.gettrace() is outer and signal.getsignal(signal.SIGALRM) is handler
+    finally:
+        sys.settrace(previous_trace)
+        signal.signal(signal.SIGALRM, previous_alarm)
 
 
 def test_choose_keeps_the_first_mutant_whose_checks_split():
