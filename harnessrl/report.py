@@ -20,8 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("reward", "reward", "{:.3f}"),
     ("pass_rate", "pass", "{:.0%}"),
+    ("resolved_rate", "resolved", "{:.0%}"),  # coding runs: share of all runs the grader resolved
     ("eval_reward", "eval", "{:.3f}"),
+    ("eval_resolved_rate", "eval resolved", "{:.0%}"),
     ("runs_failed", "failed", "{:.0f}"),
+    ("calls_per_run", "turns", "{:.1f}"),  # model calls per run
+    ("guard_trips", "guards", "{:.0f}"),  # coding runs whose diff tripped a grading guard
     ("seqs_per_run", "seq/run", "{:.2f}"),
     ("merge_break_rate", "breaks", "{:.2f}"),
     ("packing_efficiency", "pack", "{:.0%}"),
@@ -114,9 +118,10 @@ def format_line(record: dict[str, Any]) -> str:
         value = record.get(key)
         if _is_number(value):
             parts.append(f"{title} {fmt.format(value)}")
-    causes = record.get("break_causes")
-    if causes:
-        parts.append("causes " + ",".join(f"{k}={v}" for k, v in sorted(causes.items())))
+    for key, title in (("break_causes", "causes"), ("guard_causes", "guarded")):
+        counts = record.get(key)
+        if counts:
+            parts.append(f"{title} " + ",".join(f"{k}={v}" for k, v in sorted(counts.items())))
     return " | ".join(parts)
 
 

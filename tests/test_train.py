@@ -122,6 +122,44 @@ def test_smoke_runs_the_whole_loop(tmp_path: Path, loop: str, smoke_env: dict[st
     db.close()
 
 
+def test_smoke_trains_on_coding_tasks_through_mini_swe_agent(
+    tmp_path: Path, smoke_env: dict[str, str]
+) -> None:
+    """`rollout.tasks=coding:shipped`: mini-swe-agent in a sandbox per run, graded, trained on."""
+    out = tmp_path / "coding"
+    proc = _train(
+        out, smoke_env, "rollout.tasks=coding:shipped", "run.steps=1",
+        "rollout.tasks_per_step=1", "rollout.num_eval_tasks=1", "run.export_hf=false",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert FINAL.match(proc.stdout.strip().splitlines()[-1])
+    (step,) = [r for r in _records(out) if r["kind"] == "train"]
+    evals = [r for r in _records(out) if r["kind"] == "eval"]
+    # The tiny model's replies are garbage: mini-swe-agent stops at its third malformed reply,
+    # leaves no diff, and the grader scores each run 0 (graded, so trained on).
+    assert step["runs"] == 2 and step["runs_failed"] == 0 and step["learner_step"] == 1
+    assert step["resolved_rate"] == 0.0 and step["guard_trips"] == 0
+    assert step["calls_per_run"] == 3.0 and step["break_causes"] == {"history_rewritten": 4}
+    assert [(r["step"], r["eval_resolved_rate"]) for r in evals] == [(0, 0.0), (1, 0.0)]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("train step   1"))
+    assert "| resolved 0% |" in line and "| turns 3.0 | guards 0 |" in line
+
+    store = SQLiteTraceStore(str(out / "traces.db"))
+    records = store.rollouts()
+    calls = {r.rollout_id: store.calls(r.rollout_id) for r in records}
+    store.close()
+    assert len(records) == 2 + 2 and {r.reward for r in records} == {0.0}
+    for r in records:
+        assert r.info["exit_status"] == "RepeatedFormatError"
+        assert r.info["reward_source"] == "evaluator"
+        assert r.info["harness_calls"] == len(calls[r.rollout_id]) == 3
+        assert r.info["applied"] and r.info["f2p_passed"] == 0 and r.info["diff_lines"] == 0
+    # Held out: the eval task is never a train task.
+    train_ids = {r.task_id for r in records if r.rollout_id.startswith("s")}
+    eval_ids = {r.task_id for r in records if r.rollout_id.startswith("e")}
+    assert len(eval_ids) == 1 and not train_ids & eval_ids
+
+
 HARNESS = ROOT / "tests" / "rollout" / "reward_harness.py"
 
 
