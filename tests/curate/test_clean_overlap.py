@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from datetime import datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harnessrl.coding.clean import main, parse_args
-from harnessrl.coding.dedup import (
+from harnessrl.coding.tasks import CodingTask, RowError, read_jsonl
+from harnessrl.coding.taskset import load_shipped
+from harnessrl.curate.clean import main, parse_args
+from harnessrl.curate.dedup import (
     NUM_PERM,
     RECALL,
     band_rows,
@@ -23,8 +27,6 @@ from harnessrl.coding.dedup import (
     repo_name,
     shingles,
 )
-from harnessrl.coding.tasks import CodingTask, RowError, read_jsonl
-from harnessrl.coding.taskset import load_shipped
 
 
 def exact_keep_first(texts: list[str], threshold: float, words: int) -> dict[int, int]:
@@ -205,3 +207,11 @@ def test_rows_are_split_at_newlines_only_and_kept_byte_for_byte(tmp_path):
     assert (tmp_path / "out.jsonl").read_text() == text + "\n"
     # and the trainer reads the cleaned file back as the same task
     assert read_jsonl(tmp_path / "out.jsonl")[0].problem_statement == row["problem_statement"]
+
+
+def test_the_module_runs_as_a_command_and_names_what_is_missing() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "harnessrl.curate"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "python -m harnessrl.curate: error: --input is required" in proc.stderr

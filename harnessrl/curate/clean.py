@@ -1,6 +1,6 @@
 """Task cleaning: a JSONL of SWE-bench or SWE-smith rows in, the rows every filter keeps out.
 
-In: `python -m harnessrl.coding.clean IN.jsonl OUT.jsonl [key=value ...]` (a `CleanConfig`). Out:
+In: `python -m harnessrl.curate IN.jsonl OUT.jsonl [key=value ...]` (a `CleanConfig`). Out:
 OUT with the kept rows exactly as read, OUT.report.json with each step's in/out counts and dropped
 ids (the same table is printed), and optionally a JSONL of dropped rows with step and reason.
 """
@@ -17,18 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.cli import command_line, fail
-from harnessrl.coding.dedup import (
+from harnessrl.coding.grade import Grade, GradeConfig, grade
+from harnessrl.coding.repo import GitError, git, mirror_of
+from harnessrl.coding.tasks import KINDS, CodingTask, RowError, task_from_row
+from harnessrl.curate.dedup import (
     contamination,
     cutoff_time,
     near_duplicates,
     read_eval_set,
 )
-from harnessrl.coding.grade import Grade, GradeConfig, grade
-from harnessrl.coding.probe import PassKFilter, Probe, loop_probe, select_passk
-from harnessrl.coding.repo import GitError, git, mirror_of
-from harnessrl.coding.tasks import KINDS, CodingTask, RowError, task_from_row
+from harnessrl.curate.probe import PassKFilter, Probe, loop_probe, select_passk
 
-PROG = "python -m harnessrl.coding.clean"
+PROG = "python -m harnessrl.curate"
 STEPS = ("statement", "source", "tests", "license", "decontaminate", "dedup", "gold", "f2p",
          "passk")  # fmt: skip
 
@@ -100,7 +100,7 @@ class DedupFilter:
 
 @dataclass(frozen=True)
 class CleanConfig:
-    """`python -m harnessrl.coding.clean IN.jsonl OUT.jsonl`: which filters run, and how."""
+    """`python -m harnessrl.curate IN.jsonl OUT.jsonl`: which filters run, and how."""
 
     input: str = ""  # the task rows (JSONL)
     output: str = ""  # the kept rows; OUT.report.json goes beside it
@@ -460,7 +460,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"kept {len(report.kept)} of {rows_in} rows: {config.output} "
           f"(report: {config.output}.report.json)")  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,7 +14,11 @@ from typing import Any
 
 import pytest
 
-from harnessrl.coding.clean import (
+from harnessrl.coding.grade import GradeConfig
+from harnessrl.coding.repo import commit_tree, git
+from harnessrl.coding.sandbox import SandboxConfig
+from harnessrl.coding.taskset import load_shipped
+from harnessrl.curate.clean import (
     CleanConfig,
     DecontaminateFilter,
     LicenseFilter,
@@ -22,10 +26,6 @@ from harnessrl.coding.clean import (
     clean,
     main,
 )
-from harnessrl.coding.grade import GradeConfig
-from harnessrl.coding.repo import commit_tree, git
-from harnessrl.coding.sandbox import SandboxConfig
-from harnessrl.coding.taskset import load_shipped
 
 # Where bubblewrap cannot run, sandboxes fall back to plain processes (and warn): the verdicts
 # these tests check are the same either way.

@@ -8,10 +8,10 @@ import tempfile
 
 import pytest
 
-from harnessrl.coding.clean import CleanConfig, clean
-from harnessrl.coding.probe import PassKFilter, select_passk
 from harnessrl.coding.tasks import CodingTask, write_jsonl
 from harnessrl.coding.taskset import load_shipped
+from harnessrl.curate.clean import CleanConfig, clean
+from harnessrl.curate.probe import PassKFilter, select_passk
 from harnessrl.traces import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:coding sandboxes run as plain processes")

@@ -1,0 +1,3 @@
+from harnessrl.curate.clean import main
+
+raise SystemExit(main())
