@@ -83,6 +83,8 @@ def take_diff(repo: Path, base_git: Path, base_commit: str, scratch: Path) -> st
         "GIT_OBJECT_DIRECTORY": str(scratch / "objects"),
         "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(base_git / "objects"),
     }
+    if scratch.resolve().is_relative_to(repo.resolve()):  # TMPDIR made a link into the tree
+        raise RuntimeError(f"the scratch folder {scratch} lies inside the checkout {repo}")
     (scratch / "objects").mkdir(exist_ok=True)
     where = ["--git-dir", str(base_git), "--work-tree", str(repo)]
     git(scratch, *where, "read-tree", base_commit, env=env)
@@ -181,7 +183,7 @@ def run_harness(
         folder.mkdir(parents=True, exist_ok=True)
     log_path = out / "harness.log"
     start = time.monotonic()
-    with open(log_path, "wb") as log:
+    with open(log_path, "w+b") as log:
         # Its output goes to a file, never to our stdout: only we write the container log.
         proc = subprocess.Popen(
             list(argv), cwd=repo, stdout=log, stderr=subprocess.STDOUT,
@@ -192,9 +194,13 @@ def run_harness(
         except subprocess.TimeoutExpired:
             code = None
         _end_others(proc)
-    status = _exit_status(out)
-    info: dict[str, Any] = {"exit_code": code, "timed_out": code is None, "exit_status": status,
-                            "harness_s": round(time.monotonic() - start, 3), "undumpable": undumpable}  # fmt: skip
+        # Read back through our own descriptor: the path may have been replaced meanwhile.
+        log.seek(max(0, os.fstat(log.fileno()).st_size - LOG_TAIL))
+        tail = log.read(LOG_TAIL).decode("utf-8", "replace")
+    info: dict[str, Any] = {
+        "exit_code": code, "timed_out": code is None, "exit_status": _exit_status(out),
+        "harness_s": round(time.monotonic() - start, 3), "undumpable": undumpable,
+    }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="diff-") as scratch:
         try:
             diff = take_diff(
@@ -203,15 +209,12 @@ def run_harness(
         except (OSError, RuntimeError) as err:
             print(f"[harnessrl] could not take the diff: {err}", file=sys.stderr, flush=True)
             return 3
-    with open(log_path, "rb") as f:
-        f.seek(max(0, log_path.stat().st_size - LOG_TAIL))
-        tail = f.read().decode("utf-8", "replace")
     sys.stdout.write(tail if tail.endswith("\n") or not tail else tail + "\n")
     sys.stdout.write(frame(diff, info))
     sys.stdout.flush()
     if code is None:
         return 124
-    return 0 if code == 0 or status in graded_exits else code
+    return 0 if code == 0 or info["exit_status"] in graded_exits else code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,13 +210,13 @@ def prepared(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def harness(
-    tmp_path: Path, script: str, timeout_s: float = 60.0
+    tmp_path: Path, script: str, timeout_s: float = 60.0, graded: str = ""
 ) -> subprocess.CompletedProcess[str]:
     repo, base = tmp_path / "sandbox" / "repo", tmp_path / "base"
     return subprocess.run(
         [*RUNNER, "harness", "--repo", str(repo), "--base", str(base),
          "--out", str(tmp_path / "sandbox" / "out"), "--timeout-s", str(timeout_s),
-         "--", "sh", "-c", script],
+         "--graded-exits", graded, "--", "sh", "-c", script],
         capture_output=True, text=True, timeout=timeout_s + 60,
     )  # fmt: skip
 
@@ -258,6 +258,31 @@ def test_runner_diff_of_edited_tests_is_dropped_by_the_guards(tmp_path: Path) ->
     ev = CodingEvaluator({TASK.instance_id: TASK}, CODING.grade)(as_task(TASK), result)
     assert ev.reward == 0.0 and "edited_tests" in ev.info["guards"]
     assert test_file in ev.info["dropped"]
+
+
+def test_runner_exit_is_0_for_a_graded_exit_status(tmp_path: Path) -> None:
+    prepared(tmp_path)
+    out = tmp_path / "sandbox" / "out"
+    script = f"""echo '{{"info": {{"exit_status": "Submitted"}}}}' > {out}/traj.json; exit 1"""
+    graded = harness(tmp_path, script, graded="LimitsExceeded,Submitted")
+    assert graded.returncode == 0 and unframe(graded.stdout).info["exit_status"] == "Submitted"
+    crashed = harness(tmp_path, script, graded="LimitsExceeded")
+    assert crashed.returncode == 1 and unframe(crashed.stdout).info["exit_code"] == 1
+
+
+def test_runner_keeps_its_scratch_out_of_the_checkout(tmp_path: Path) -> None:
+    repo, _ = prepared(tmp_path)
+    inside = repo / "scratch"
+    inside.mkdir()
+    env = {**os.environ, "TMPDIR": str(inside)}  # as if the harness had linked TMPDIR into it
+    done = subprocess.run(
+        [*RUNNER, "harness", "--repo", str(repo), "--base", str(tmp_path / "base"),
+         "--out", str(tmp_path / "sandbox" / "out"), "--timeout-s", "30", "--", "true"],
+        capture_output=True, text=True, timeout=90, env=env,
+    )  # fmt: skip
+    assert done.returncode == 3 and "lies inside the checkout" in done.stderr
+    with pytest.raises(ValueError, match="does not end with a diff frame"):
+        unframe(done.stdout)
 
 
 def test_runner_stops_a_harness_at_its_time_limit(tmp_path: Path) -> None:
