@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import itertools
 import os
 import re
 import shlex
@@ -47,7 +48,8 @@ OTHER_PYTHONS = {".venv-vllm/bin/python": "vllm-env"}
 SHELL_BUILTINS = {"cd", "export", "kill"}
 PYTHONS = {"python", "python3", ".venv/bin/python"}
 SPLIT_TOKENS = {"(", ")", "&&", "||", "|", ";", "&"}
-REPO_DIRS = ("k8s/", "tests/", "tpu_configs/", "examples/", "docs/", "harnessrl/", "proxy_sidecar/")
+REPO_DIRS = ("k8s/", "tests/", "tpu_configs/", "examples/", "docs/", "harnessrl/", "proxy_sidecar/",
+             "recipes/")  # fmt: skip
 PROJECT_PACKAGES = ("harnessrl", "proxy_sidecar")
 INLINE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -183,13 +185,17 @@ def makefile_targets() -> dict[str, list[str]]:
 
 
 def check_train_overrides(words: tuple[str, ...], where: str) -> None:
-    """Overrides of `python -m harnessrl.train`, loaded as the CLI loads them."""
+    """Overrides of `python -m harnessrl.train`, loaded as the CLI loads them, beneath the
+    repository's own `--config` files (a user's file is theirs to write)."""
     flags = {"--smoke", "--help", "--config", "--mesh"}
     overrides = [w for w in words if "=" in w and w.split("=")[0] not in flags]
     unknown = [w for w in words if w.startswith("-") and "=" not in w and w not in flags]
     assert not unknown, f"{where}: harnessrl.train has no flag {unknown}"
+    files = [b for a, b in itertools.pairwise(words) if a == "--config"]
+    files += [w.split("=", 1)[1] for w in words if w.startswith("--config=")]
+    ours = [f"--config={REPO / f}" for f in files if f.startswith(REPO_DIRS)]
     try:
-        load_config(overrides=overrides, smoke="--smoke" in words)
+        load_config(overrides=[*ours, *overrides], smoke="--smoke" in words)
     except ValueError as err:
         pytest.fail(f"{where}: documented overrides do not load: {err}")
 
@@ -278,6 +284,14 @@ def check_make(args: tuple[str, ...], where: str) -> None:
                 check_train_overrides(tuple(shlex.split(value)), where)
 
 
+def test_train_commands_load_the_repository_config_they_name() -> None:
+    """The override grades coding tasks, which only the recipe's own rollout.tasks names."""
+    words = ("--config", "recipes/qwen3-8b-swe-8xh100.yaml", "rollout.evaluator=coding")
+    check_train_overrides(words, "with the recipe")
+    with pytest.raises(pytest.fail.Exception, match="grades coding tasks only"):
+        check_train_overrides(words[2:], "without it")
+
+
 def test_docs_have_commands() -> None:
     """The extraction finds what the pages obviously contain (guards against a silent regex)."""
     found = {str(c).split(": ", 1)[1] for c in ALL_COMMANDS}
@@ -308,6 +322,7 @@ def test_guides_list_their_workstation_tools(doc: Path) -> None:
     ("line", "fails"),
     [
         ("python -m harnessrl.train no_such.key=1", "do not load"),
+        ("python -m harnessrl.train --config recipes/no-such.yaml", "does not exist"),
         ("python -m harnessrl.nope", "no module"),
         ("make no-such-target", "no target"),
         ("make train NOPE=1", "never reads NOPE"),
