@@ -81,7 +81,8 @@ def _items(value: Any) -> list[dict[str, Any]]:
             raise BadRequest(f"{where} must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            given = item.get("role")
+            role = _ROLES.get(given) if isinstance(given, str) else None
             if role is None:
                 raise BadRequest(
                     f"{where}.role must be user, system, developer or assistant, got "
@@ -245,7 +246,7 @@ class ResponseWriter:
             "error": None,
             "incomplete_details": incomplete,
             "instructions": body.get("instructions"),
-            "metadata": body.get("metadata") or {},
+            "metadata": body["metadata"] if isinstance(body.get("metadata"), dict) else {},
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"),

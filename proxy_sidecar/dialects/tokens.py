@@ -9,6 +9,7 @@ around them is tokenized: an unchanged history costs no retokenization drift.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import json
 import uuid
@@ -25,6 +26,9 @@ MAX_ROLLOUTS = 4096  # rollouts whose sampled turns are kept (least recently use
 MAX_TURNS = 1024  # sampled turns kept per rollout
 
 
+# Reading a GGUF's metadata takes seconds (the reader indexes every tensor too); the tokenizer is
+# never mutated, so sidecars in one process (tests, benchmarks) share one per spec.
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str) -> ChatTokenizer:
     """The tokenizer and chat template of a model spec, without loading any weights.
 
