@@ -123,11 +123,6 @@ class RolloutConfig:
                 "rollout.evaluator=coding grades coding tasks only; set rollout.tasks=coding:... "
                 f"or pick another evaluator (rollout.tasks is {self.tasks!r})"
             )
-        if is_coding(self.tasks) and self.launcher != "local":
-            raise ValueError(
-                "coding tasks run in sandboxes on this machine (rollout.launcher=local); "
-                "Kubernetes coding sandboxes are not shipped yet"
-            )
         _check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
         _check_choice("rollout.posted_reward", self.posted_reward, tuple(POSTED_REWARD))
         if self.launcher == "kubernetes":

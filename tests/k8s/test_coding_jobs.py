@@ -19,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes import client
+from kubernetes.config import kube_config
 
 from harnessrl.coding.tasks import CodingTask
 from harnessrl.coding.taskset import load_shipped
@@ -356,3 +357,38 @@ def _restore_modes(tmp_path: Path) -> Any:
     for path in tmp_path.rglob("*"):
         if not path.is_symlink():
             os.chmod(path, path.stat().st_mode | stat.S_IWUSR)
+
+
+def test_train_config_runs_coding_tasks_as_jobs(tmp_path: Path, monkeypatch: Any) -> None:
+    from harnessrl.config import load_config
+    from harnessrl.train import load_task_sets, make_launcher
+
+    keys = [
+        "rollout.launcher=kubernetes", "rollout.tasks=coding:shipped", "rollout.evaluator=coding",
+        "rollout.kubernetes.image=registry.example.com/harnessrl:0.1.0",
+        "rollout.servers=http://vllm.harnessrl.svc:8000", "rollout.num_eval_tasks=4",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"rollout\.store=postgresql"):
+        load_config(None, keys)
+    cfg = load_config(None, [*keys, "rollout.store=postgresql://u@postgres/traces"])
+    train, _, coding = load_task_sets(cfg)
+    with fake.FakeKube(lambda job: fake.Outcome("complete", 0.05, log=frame("", {}))) as kube:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+            "users": [{"name": "fake", "user": {}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        }))  # fmt: skip
+        # What KUBECONFIG names (the client reads the variable once, when it is imported).
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        pods = make_launcher(cfg, coding)
+        assert isinstance(pods, KubernetesCodingLauncher)
+        spec = RunSpec("s0-wired-0", train[0], "g", 0, "http://x", cfg.rollout.timeout_s)
+        (result,) = pods.run([spec])
+        (body,) = [b for _, b in kube.created]
+    assert result.state is RolloutState.SUCCEEDED and result.output == ""
+    pod = body["spec"]["template"]["spec"]
+    assert pod["initContainers"][1]["args"][:2] == ["--upstream", "http://vllm.harnessrl.svc:8000"]
+    mini = body["spec"]["template"]["metadata"]["annotations"]["harnessrl.io/mini-config"]
+    assert mini == (ROOT / "examples" / "mini.yaml").read_text()  # the config travels with the Job
