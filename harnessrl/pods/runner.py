@@ -201,20 +201,21 @@ def run_harness(
         "exit_code": code, "timed_out": code is None, "exit_status": _exit_status(out),
         "harness_s": round(time.monotonic() - start, 3), "undumpable": undumpable,
     }  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="diff-") as scratch:
-        try:
-            diff = take_diff(
-                repo, base / "git", (base / "commit").read_text().strip(), Path(scratch)
-            )
-        except (OSError, RuntimeError) as err:
-            print(f"[harnessrl] could not take the diff: {err}", file=sys.stderr, flush=True)
-            return 3
+    commit = (base / "commit").read_text().strip()
+    try:  # TMPDIR is the harness's too: what it left there may refuse us
+        with tempfile.TemporaryDirectory(prefix="diff-") as scratch:
+            diff = take_diff(repo, base / "git", commit, Path(scratch))
+    except (OSError, RuntimeError) as err:
+        print(f"[harnessrl] could not take the diff: {err}", file=sys.stderr, flush=True)
+        return 3
     sys.stdout.write(tail if tail.endswith("\n") or not tail else tail + "\n")
     sys.stdout.write(frame(diff, info))
     sys.stdout.flush()
     if code is None:
         return 124
-    return 0 if code == 0 or info["exit_status"] in graded_exits else code
+    if code == 0 or info["exit_status"] in graded_exits:
+        return 0
+    return code if code > 0 else 128 - code  # killed by a signal: the shell's convention
 
 
 def main(argv: list[str] | None = None) -> int:
