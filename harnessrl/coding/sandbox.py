@@ -129,6 +129,9 @@ def _limit_prefix(config: SandboxConfig, timeout_s: float) -> list[str]:
     return [*argv, "--"]
 
 
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path is 108, NUL included)
+
+
 class Sandbox:
     """A fresh checkout of one task and the means to run commands in it; `close()` removes it."""
 
@@ -137,8 +140,17 @@ class Sandbox:
         self.isolation = resolve_isolation(config.isolation)
         self.not_isolated = PLAIN_GAPS if self.isolation == "plain" else ()
         root = config.root_dir
+        # The relays' Unix sockets live in DIR/net, and a socket path is at most 107 bytes: the
+        # task id in the folder name is cut to fit (mkdtemp adds 8 characters).
+        room = SOCKET_PATH_MAX - len(str(root.resolve())) - len("/-12345678/net/00.sock")
+        if room < 0:
+            raise ValueError(
+                f"sandbox root {str(root)!r} is too long for the sidecar relays' Unix sockets "
+                f"(at most {SOCKET_PATH_MAX} bytes in all): set sandbox.root to a shorter folder"
+            )
+        prefix = task.instance_id[: min(60, room)]
         root.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{task.instance_id[:60]}-", dir=root))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root.resolve()))
         for sub in ("io", "net", "tmp"):
             (self.dir / sub).mkdir()
         self.workdir = self.dir / "repo"

@@ -151,6 +151,20 @@ def test_forward_reaches_the_sidecar_and_nothing_else(tmp_path, http_servers):
 
 
 @needs_bwrap
+def test_a_long_root_and_task_id_still_fit_the_relay_socket(tmp_path, http_servers):
+    """A Unix socket path is at most 107 bytes: the task id in the sandbox's name is cut to fit."""
+    sidecar, _ = http_servers
+    root = tmp_path / ("r" * max(1, 80 - len(str(tmp_path))))
+    task = value_task(instance_id="owner__repository-" + "9" * 60)
+    with prepare(task, SandboxConfig(root=str(root))) as sb:
+        assert sb.run([PY, "-c", FETCH, sb.forward(sidecar)]).stdout.strip() == "sidecar says hi"
+    too_long = tmp_path / ("r" * 120)
+    with pytest.raises(ValueError, match=r"set sandbox\.root to a shorter folder"):
+        prepare(task, SandboxConfig(root=str(too_long)))
+    assert not too_long.exists()
+
+
+@needs_bwrap
 def test_inside_sees_a_private_tmp_read_only_system_and_no_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("HARNESSRL_TEST_SECRET", "s3cret")
     outside = Path("/tmp") / f"harnessrl-host-file-{time.monotonic_ns()}"
