@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,25 @@ def test_doc_train_command_sets_every_unset_value() -> None:
             cfg = load_config(recipe, overrides)
             assert unset(cfg) == set(), (recipe.name, unset(cfg))
             assert dataclasses.asdict(cfg)  # a complete, valid TrainConfig
+
+
+def test_the_train_command_stops_on_the_first_unset_value(tmp_path: Path) -> None:
+    """The real command line: the task files first, then the model, with the doc's message."""
+    recipe = REPO / "recipes" / "qwen3-8b-swe-8xh100.yaml"
+    train, held = tmp_path / "train.jsonl", tmp_path / "verified.jsonl"
+    train.write_text(json.dumps(swe_row("pallets__flask-1", "pallets/flask")) + "\n")
+    held.write_text(json.dumps(swe_row("psf__requests-2", "psf/requests")) + "\n")
+    argv = [sys.executable, "-m", "harnessrl.train", "--config", str(recipe)]
+    argv.append(f"run.out_dir={tmp_path / 'run'}")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def stderr(*overrides: str) -> str:
+        proc = subprocess.run([*argv, *overrides], env=env, capture_output=True, text=True,
+                              timeout=240, cwd=tmp_path)  # fmt: skip
+        assert proc.returncode != 0
+        return proc.stderr
+
+    assert "tasks path 'SET-ME: the cleaned and probed train rows" in stderr()
+    quoted = DOC.read_text().split("```text\n")[1].split("\n```")[0]
+    tasks = (f"rollout.tasks=coding:{train}", f"rollout.eval_tasks=coding:{held}")
+    assert f"ValueError: {quoted}" in stderr(*tasks)
