@@ -252,7 +252,9 @@ class _Call:
         self, body: dict[str, Any], done: Completion, reply: dict[str, Any], stream: bool
     ) -> bool:
         """Store the call; on success the sampled turn joins the ledger."""
-        recorded = {**body, "dialect": self.dialect.name, "reply": reply}
+        prompt = self.prompt
+        turns = {"reused_turns": prompt.reused_turns, "rendered_turns": prompt.rendered_turns}
+        recorded = {**body, "dialect": self.dialect.name, "reply": reply, "token_in": turns}
         record = build_record(status=200, body=recorded, **self.common)
         if await self._store(record, stream=stream) is None:
             return False

