@@ -202,6 +202,26 @@ def test_doc_states_each_recipe_as_it_is(recipe: Path) -> None:
     assert re.search(rf"\b{longest(cfg)}\b", servers), f"no --max-model-len {longest(cfg)}"
 
 
+def cost_cell(row: str, mesh: str) -> str:
+    """The cell of the cost tables' `row` in the column headed by `mesh`."""
+    lines = DOC.read_text().split("## Expected cost")[1].splitlines()
+    header = next(ln for ln in lines if ln.startswith("| |") and f"| {mesh} |" in ln)
+    column = [c.strip() for c in header.strip("|").split("|")].index(mesh)
+    line = next(ln for ln in lines if ln.startswith(f"| {row}"))
+    return [c.strip() for c in line.strip("|").split("|")][column]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_doc_cost_arithmetic_starts_from_the_recipe(recipe: Path) -> None:
+    cfg = load_config(recipe)
+    runs, context = runs_per_step(cfg), longest(cfg)
+    tokens = cost_cell("tokens trained", cfg.learner.mesh)
+    assert tokens == f"{runs} × {context:,} = {runs * context:,}"
+    steps = cost_cell("the runs of a step", cfg.learner.mesh)
+    assert steps.startswith(f"{cfg.rollout.coding.step_limit} × ")
+    assert cost_cell("training", cfg.learner.mesh).startswith(f"{cfg.run.steps} × ")
+
+
 def test_doc_commands_name_modules_that_exist() -> None:
     commands = doc_commands(DOC)
     modules = {program_of(c)[0][3:] for c in commands if program_of(c)[0].startswith("-m ")}
