@@ -32,18 +32,33 @@ _RESERVE = (
 
 
 class PostgresTraceStore(SQLStoreBase):
-    """`PostgresTraceStore("postgresql://user@host:port/db")`; creates its tables if missing."""
+    """`PostgresTraceStore("postgresql://user@host:port/db")`; creates its tables if missing.
+
+    `read_only=True` makes every transaction of the session read-only (the server refuses
+    writes) and creates nothing.
+    """
 
     placeholder = "%s"
     for_update = " FOR UPDATE"
 
-    def __init__(self, dsn: str, *, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, dsn: str, *, connect_timeout_s: float = 10.0, read_only: bool = False
+    ) -> None:
         if not isinstance(dsn, str) or not dsn.startswith(("postgresql://", "postgres://")):
             raise ValueError(f"dsn must be a postgresql://... URL, got {dsn!r}")
-        super().__init__()
+        super().__init__(read_only)
         self.dsn = dsn
         self._connect_timeout_s = connect_timeout_s
         self._conn = self._connect()
+        if read_only:
+            found = self._conn.execute(
+                "SELECT count(*) FROM information_schema.tables "
+                "WHERE table_schema = current_schema() AND table_name IN ('calls', 'rollouts')"
+            ).fetchone()
+            if found is None or found[0] != 2:
+                self._conn.close()
+                raise ValueError(f"{dsn!r} holds no trace store (no calls and rollouts tables)")
+            return
         with self._lock, self._conn.transaction():
             # Several processes may open the same fresh database at once.
             self._conn.execute("SELECT pg_advisory_xact_lock(7246135)")
@@ -51,9 +66,12 @@ class PostgresTraceStore(SQLStoreBase):
                 self._conn.execute(statement)
 
     def _connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(
+        conn = psycopg.connect(
             self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout_s))
         )
+        if self.read_only:
+            conn.execute("SET default_transaction_read_only = on")
+        return conn
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[psycopg.Cursor[Any]]:

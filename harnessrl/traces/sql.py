@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from harnessrl.traces import rows
@@ -42,6 +42,9 @@ def schema(types: Mapping[str, str], call_id: str) -> list[str]:
         f"CREATE TABLE IF NOT EXISTS rollouts ({columns(rows.ROLLOUT_COLUMNS)}, "
         "PRIMARY KEY (rollout_id))",
         "CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id)",
+        # The viewer pages through rollouts in creation order and filters them by task.
+        "CREATE INDEX IF NOT EXISTS rollouts_created ON rollouts (created_at, rollout_id)",
+        "CREATE INDEX IF NOT EXISTS rollouts_task ON rollouts (task_id)",
     ]
 
 
@@ -51,9 +54,10 @@ class SQLStoreBase:
     placeholder = "?"
     for_update = ""  # row lock suffix for read-modify-write; SQLite locks the whole database
 
-    def __init__(self) -> None:
+    def __init__(self, read_only: bool = False) -> None:
         self._lock = threading.RLock()
         self._closed = False
+        self.read_only = read_only  # the database refuses every write (tools that only look)
         self._sql = {
             "insert_call": f"INSERT INTO calls ({_CALL_COLS}) VALUES "
             f"({', '.join('?' * len(rows.CALL_COLUMNS))})",
@@ -185,6 +189,21 @@ class SQLStoreBase:
             if not self._closed:
                 self._closed = True
                 self._close_connection()
+
+    def select(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one SELECT over the tables above, `?` placeholders (rewritten for the driver).
+
+        For tools that read the store in their own shape (the trace viewer); `rows.row_to_call`
+        and `rows.row_to_rollout` decode full rows.
+        """
+        if not isinstance(sql, str) or not sql.lstrip()[:6].upper() == "SELECT":
+            raise ValueError(f"select() runs one SELECT statement, got {sql!r:.80}")
+        if self.placeholder != "?":
+            sql = sql.replace("?", self.placeholder)
+        with self._locked():
+            cur = self._cursor()
+            cur.execute(sql, tuple(args))
+            return [tuple(r) for r in cur.fetchall()]
 
     # --- helpers -----------------------------------------------------------------------------
     def _fetch(self, statement: str, *args: Any) -> list[Any]:

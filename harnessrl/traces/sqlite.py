@@ -13,6 +13,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from harnessrl.traces.schema import CallRecord
@@ -35,12 +36,36 @@ def is_busy(err: BaseException) -> bool:
     )
 
 
+def _open_read_only(path: str, timeout_s: float) -> sqlite3.Connection:
+    """A connection SQLite itself refuses writes on; the file must already be a trace store."""
+    if path == ":memory:":
+        raise ValueError("a read-only store needs a database file, not ':memory:'")
+    if not os.path.isfile(path):
+        raise ValueError(f"no trace store at {path!r}: the file does not exist")
+    uri = Path(path).absolute().as_uri() + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False,
+                           timeout=timeout_s)  # fmt: skip
+    try:
+        found = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as err:  # "file is not a database", a torn header, ...
+        conn.close()
+        raise ValueError(f"{path!r} is not a readable SQLite trace store: {err}") from err
+    missing = sorted({"calls", "rollouts"} - found)
+    if missing:
+        conn.close()
+        raise ValueError(
+            f"{path!r} is an SQLite database but not a trace store: no {missing} table"
+        )
+    return conn
+
+
 class SQLiteTraceStore(SQLStoreBase):
     """`SQLiteTraceStore(path)`; `synchronous="FULL"` fsyncs every commit (power-loss safe).
 
     `background_checkpoint=True` moves WAL checkpoints (the only step that fsyncs the database
     file in NORMAL mode) off the writing thread onto a helper thread, so commits stay short.
     A write waits up to `busy_timeout_s` for another connection's write lock, then fails.
+    `read_only=True` opens an existing store that nothing through this object can change.
     """
 
     # A local commit takes tens of microseconds: an event loop may write inline with
@@ -55,6 +80,7 @@ class SQLiteTraceStore(SQLStoreBase):
         background_checkpoint: bool = False,
         checkpoint_interval_s: float = 0.5,
         busy_timeout_s: float = 30.0,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise ValueError(f"path must be a file path or ':memory:', got {path!r}")
@@ -62,13 +88,18 @@ class SQLiteTraceStore(SQLStoreBase):
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, got {synchronous!r}")
         if not 0 < busy_timeout_s <= 3600:
             raise ValueError(f"busy_timeout_s must be in (0, 3600], got {busy_timeout_s!r}")
-        super().__init__()
+        super().__init__(read_only)
         # How long a write waits for another connection's write lock before it fails.
         self._busy_ms = int(busy_timeout_s * 1000)
         self.path = str(path)
         parent = os.path.dirname(os.path.abspath(self.path))
         if self.path != ":memory:" and not os.path.isdir(parent):
             raise ValueError(f"path {self.path!r}: directory {parent!r} does not exist; create it")
+        self._stop = threading.Event()
+        self._checkpointer: threading.Thread | None = None
+        if read_only:
+            self._conn = _open_read_only(self.path, busy_timeout_s)
+            return
         # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE takes the write lock up
         # front, so reserving sequence numbers never races another writer process).
         self._conn = sqlite3.connect(
@@ -83,8 +114,6 @@ class SQLiteTraceStore(SQLStoreBase):
         with self._transaction() as cur:
             for statement in schema(_TYPES, "INTEGER"):
                 cur.execute(statement)
-        self._stop = threading.Event()
-        self._checkpointer: threading.Thread | None = None
         if background_checkpoint and self.path != ":memory:":
             self._conn.execute("PRAGMA wal_autocheckpoint=0")
             self._checkpointer = threading.Thread(
