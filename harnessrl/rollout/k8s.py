@@ -20,6 +20,14 @@ from typing import Any
 import yaml
 
 from harnessrl.cli import command_line
+from harnessrl.rollout.k8s_api import (
+    TRANSIENT_STATUS,
+    default_api_client,
+    describe,
+    retry_delay,
+    transport_errors,
+    with_retries,
+)
 from harnessrl.rollout.tasks import RunResult, RunSpec, Task, load_tasks
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.control import rollout_url
@@ -29,7 +37,7 @@ TASK_ANNOTATION = "harnessrl.io/task"
 BATCH_LABEL = "harnessrl.io/batch"
 TASK_DIR = "/var/run/harnessrl"
 HARNESS_CONTAINER = "harness"
-_RETRYABLE = {429, 500, 502, 503, 504}
+CREATE_TRIES = 6  # of one Job; Retry-After and backoff spread them over a few seconds
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class KubernetesLauncherConfig:
     cpu: str = "1"  # harness container CPU request
     memory: str = "2Gi"  # harness container memory request and limit
     watch_timeout_s: int = 30  # longest single watch of the Jobs before listing again
+    request_timeout_s: float = 30.0  # longest wait for one API answer (a watch: beyond its own)
     max_log_bytes: int = 1_000_000  # of each harness log read back as the run's output
     coding: KubernetesCodingConfig = field(default_factory=KubernetesCodingConfig)
 
@@ -94,6 +103,11 @@ class KubernetesLauncherConfig:
                 raise ValueError(
                     f"KubernetesLauncherConfig.{name} must be an int >= 1, got {getattr(self, name)!r}"
                 )
+        if not self.request_timeout_s > 0:
+            raise ValueError(
+                "KubernetesLauncherConfig.request_timeout_s must be > 0, got "
+                f"{self.request_timeout_s!r}"
+            )
         if not self.creates_per_s > 0:
             raise ValueError(
                 f"KubernetesLauncherConfig.creates_per_s must be > 0, got {self.creates_per_s!r}"
@@ -267,7 +281,7 @@ class KubernetesLauncher:
                 f"image={config.image!r}, command={config.command!r}"
             )
         self.config = config
-        self._api = api_client if api_client is not None else _default_api_client()
+        self._api = api_client if api_client is not None else default_api_client()
         # Any: with _preload_content=False the client answers raw urllib3 responses, which its
         # type hints call models.
         self._batch: Any = client.BatchV1Api(self._api)
@@ -308,7 +322,7 @@ class KubernetesLauncher:
             self.config.namespace,
             label_selector="app.kubernetes.io/managed-by=harnessrl",
             _preload_content=False,
-            _request_timeout=30,
+            _request_timeout=self.config.request_timeout_s,
         )
         pods = json.loads(resp.data).get("items") or []
         port = self.config.sidecar.port
@@ -319,24 +333,61 @@ class KubernetesLauncher:
         )
 
     def _create(self, spec: RunSpec, batch: str) -> str | None:
+        """None once the run's Job exists; else why it could not be created.
+
+        A try whose answer was lost (timeout, cut connection) may still have created the Job:
+        the next try's 409 then adopts it (the name is the rollout id's), and a create given up
+        after such a try deletes the name, so no Job runs on unwatched."""
         from kubernetes.client.exceptions import ApiException
 
         body = self.manifest(spec, batch)
-        for attempt in range(4):
+        name, ns = body["metadata"]["name"], self.config.namespace
+        maybe_created = False
+        for attempt in range(CREATE_TRIES):
             now = time.monotonic()
             time.sleep(max(0.0, self._next_create - now))
             self._next_create = max(now, self._next_create) + 1.0 / self.config.creates_per_s
             try:
-                self._batch.create_namespaced_job(self.config.namespace, body, _request_timeout=30)
+                self._batch.create_namespaced_job(
+                    ns, body, field_validation="Strict",
+                    _request_timeout=self.config.request_timeout_s,
+                )  # fmt: skip
                 return None
             except ApiException as err:
-                why = f"could not create Job {body['metadata']['name']}: {err.status} {err.reason}: {_message(err)}"
-                if err.status not in _RETRYABLE:
+                why = f"could not create Job {name}: {describe(err)}"
+                if err.status == 409:
+                    return self._adopt(name, spec, batch)
+                if err.status not in TRANSIENT_STATUS:
                     return why
-            except OSError as err:  # urllib3's connection errors are OSErrors too
-                why = f"could not reach the API server to create a Job: {err}"
-            time.sleep(0.2 * 2**attempt)
+                delay = retry_delay(err, attempt)
+            except transport_errors() as err:
+                why = f"could not reach the API server to create Job {name}: {err}"
+                maybe_created, delay = True, retry_delay(None, attempt)
+            time.sleep(delay)
+        if maybe_created:
+            self._delete(name)
         return why
+
+    def _adopt(self, name: str, spec: RunSpec, batch: str) -> str | None:
+        """The Job of that name was created by an earlier try of this very call (same batch):
+        it is this run's. One left by another launch is not (its run may be another's)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            resp = with_retries(lambda: self._batch.read_namespaced_job(
+                name, self.config.namespace, _preload_content=False,
+                _request_timeout=self.config.request_timeout_s,
+            ))  # fmt: skip
+            labels = json.loads(resp.data)["metadata"].get("labels") or {}
+        except transport_errors(ApiException, ValueError, KeyError) as err:
+            return f"Job {name} exists but could not be read: {err}"
+        if labels.get(BATCH_LABEL) == label_value(batch):
+            return None
+        return (
+            f"Job {name} of rollout {spec.rollout_id!r} already exists from another launch "
+            f"({BATCH_LABEL}={labels.get(BATCH_LABEL)!r}); each rollout id runs once: delete "
+            f"it (kubectl delete job -n {self.config.namespace} {name}) or use fresh ids"
+        )
 
     def manifest(self, spec: RunSpec, batch: str) -> dict[str, Any]:
         """The Job of one run (a subclass may shape its own)."""
@@ -360,7 +411,7 @@ class KubernetesLauncher:
                 self.config.namespace,
                 label_selector=selector,
                 _preload_content=False,
-                _request_timeout=30,
+                _request_timeout=self.config.request_timeout_s,
             )
             listing = json.loads(resp.data)
             jobs = {j["metadata"]["name"]: j for j in listing.get("items") or []}
@@ -383,7 +434,7 @@ class KubernetesLauncher:
             for event in w.stream(
                 self._batch.list_namespaced_job, self.config.namespace, label_selector=selector,
                 resource_version=listing["metadata"]["resourceVersion"], timeout_seconds=timeout,
-                deserialize=False, _request_timeout=timeout + 30,
+                deserialize=False, _request_timeout=timeout + self.config.request_timeout_s,
             ):  # fmt: skip
                 name = event["object"].get("metadata", {}).get("name")
                 if name in live and (event["type"] == "DELETED" or job_outcome(event["object"])):
@@ -391,8 +442,10 @@ class KubernetesLauncher:
                     break
         except ApiException as err:  # 410 Gone and friends: re-list on the next round
             if err.status != 410:
-                time.sleep(1.0)
-        except (OSError, ValueError, KeyError):  # connection trouble or a garbled answer
+                time.sleep(retry_delay(err, 0, base_s=1.0))
+        # Refused, reset, timed out, a watch cut mid-chunk, a garbled answer: the Jobs run on
+        # regardless, so list again (a control-plane upgrade must not end the round).
+        except transport_errors(ValueError, KeyError):
             time.sleep(1.0)
         self._expire(live, results)
 
@@ -437,39 +490,39 @@ class KubernetesLauncher:
 
         ns = self.config.namespace
         try:
-            resp = self._core.list_namespaced_pod(
-                ns,
-                label_selector=f"batch.kubernetes.io/job-name={name}",
-                _preload_content=False,
-                _request_timeout=30,
-            )
+            resp = with_retries(lambda: self._core.list_namespaced_pod(
+                ns, label_selector=f"batch.kubernetes.io/job-name={name}",
+                _preload_content=False, _request_timeout=self.config.request_timeout_s,
+            ))  # fmt: skip
             pods = json.loads(resp.data).get("items") or []
             if not pods:
                 return None, "", "no pod was ever created for the Job"
             pod = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
             exit_code, note = pod_outcome(pod)
-            log = self._core.read_namespaced_pod_log(
+            log = with_retries(lambda: self._core.read_namespaced_pod_log(
                 pod["metadata"]["name"], ns, container=HARNESS_CONTAINER,
-                limit_bytes=self.config.max_log_bytes, _preload_content=False, _request_timeout=30,
-            ).data.decode("utf-8", errors="replace")  # fmt: skip
+                limit_bytes=self.config.max_log_bytes, _preload_content=False,
+                _request_timeout=self.config.request_timeout_s,
+            )).data.decode("utf-8", errors="replace")  # fmt: skip
             return exit_code, log, note
-        except (ApiException, OSError, ValueError, KeyError) as err:
+        except transport_errors(ApiException, ValueError, KeyError) as err:
             return None, "", f"could not read the pod of Job {name}: {err}"
 
     def _delete(self, name: str) -> None:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            self._batch.delete_namespaced_job(
-                name, self.config.namespace, propagation_policy="Background", _request_timeout=30
-            )
+            with_retries(lambda: self._batch.delete_namespaced_job(
+                name, self.config.namespace, propagation_policy="Background",
+                _request_timeout=self.config.request_timeout_s,
+            ))  # fmt: skip
         except ApiException as err:
             if err.status != 404:
                 print(
                     f"[harnessrl] could not delete Job {name}: {err.status} {err.reason}",
                     file=sys.stderr,
                 )
-        except OSError as err:  # the TTL removes it later
+        except transport_errors() as err:  # the TTL removes it later
             print(f"[harnessrl] could not delete Job {name}: {err}", file=sys.stderr)
 
 
@@ -490,23 +543,6 @@ def _result(
         duration_s=time.monotonic() - started,
         output=stdout.strip(),
     )
-
-
-def _message(err: Any) -> str:
-    try:
-        return str(json.loads(err.body).get("message", ""))
-    except (TypeError, ValueError, AttributeError):
-        return str(err.body or "")
-
-
-def _default_api_client() -> Any:
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,24 @@
 """A FAKE Kubernetes API server for tests: no real cluster exists on the test machines.
 
-It speaks just the batch/v1 Jobs endpoints (create, list, watch, delete) and the core/v1 Pods
+It speaks just the batch/v1 Jobs endpoints (create, get, list, watch, delete) and the core/v1 Pods
 endpoints (list, log) that `KubernetesLauncher` calls through the official client, over real HTTP.
-It plays the Job controller and kubelet too: each created Job gets an outcome chosen by the test
-(`complete`, `fail`, `deadline`, `evict`, `hang`, or an HTTP error on create), applied after a delay,
-or `run`: the harness container's command really runs, as a local process (`run_locally`).
+Like a real API server it refuses a body that does not match the Kubernetes 1.33 OpenAPI schema
+(strict: an unknown field such as `containerz` too) with 422 Invalid. It plays the Job controller
+and kubelet too: each created Job gets an outcome chosen by the test (`complete`, `fail`,
+`deadline`, `evict`, `hang`, or an HTTP error on create), applied after a delay, or `run`: the
+harness container's command really runs, as a local process (`run_locally`). `inject` queues
+faults of the API server itself: error statuses (with `Retry-After`), answers lost after the work
+was done, answers later than the client waits, watch streams cut mid-chunk, refused connections.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -22,6 +29,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import jsonschema
+from kubernetes_validate.utils import schema_contents
+from referencing import Registry, Resource
+
+K8S_VERSION = "1.33"
+ROUTES = ("create", "get", "list", "watch", "delete", "pods", "log")
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -31,6 +45,50 @@ class Outcome:
     log: str = ""
     status: int = 422  # for `reject`: the HTTP status the create gets
     timeout_s: float = 300.0  # for `run`: the local process is killed after this long
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What the API server does to the next request of a route, instead of answering it.
+
+    status: answers `status` (Retry-After: `retry_after` when set), doing nothing.
+    lost: does the work (a create stores the Job), then drops the connection without an answer.
+    late: does the work, answers after `seconds` (past the client's timeout: it gave up).
+    cut: a watch sends half a chunk of its first event and drops the connection.
+    refuse: drops this connection and listens on nothing for `seconds` (connections refused).
+    """
+
+    kind: str
+    status: int = 500
+    retry_after: str = ""
+    seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("status", "lost", "late", "cut", "refuse"):
+            raise ValueError(f"Fault.kind must be status|lost|late|cut|refuse, got {self.kind!r}")
+
+
+def schema_error(body: Any, definition: str) -> str | None:
+    """Every way `body` breaks the Kubernetes 1.33 schema `definition` (strict: unknown fields
+    too), as one line; None when it is valid."""
+    errors = sorted(
+        _definition_validator(definition).iter_errors(body), key=lambda e: list(e.absolute_path)
+    )
+    if not errors:
+        return None
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<body>'}: {e.message}" for e in errors
+    )
+
+
+@functools.cache
+def _definition_validator(name: str) -> jsonschema.Draft202012Validator:
+    defs = schema_contents(
+        f"kubernetes-json-schema/v{K8S_VERSION}.0-local-strict/_definitions.json", K8S_VERSION
+    )
+    registry = Registry().with_resource(defs["$id"], Resource.from_contents(defs))
+    ref = {"$ref": f"{defs['$id']}#/$defs/{name}"}
+    return jsonschema.Draft202012Validator(ref, registry=registry)
 
 
 def run_locally(job: dict[str, Any], timeout_s: float = 300.0) -> tuple[int, str]:
@@ -66,22 +124,61 @@ class FakeKube:
         self.deleted: list[str] = []
         self.max_alive = 0
         self.fail_next_creates = 0  # answer this many creates with 503 first
+        self.faults: dict[str, list[Fault]] = {route: [] for route in ROUTES}
+        self.requests: list[tuple[float, str, str]] = []  # (time, route, path?query) of each
+        self.refused_until = 0.0  # monotonic time an outage ends
         self.cond = threading.Condition()
         self.rv = 100
+        self._conns: set[socket.socket] = set()  # open client connections, cut by an outage
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._port = self._server.server_address[1]
+        self._closed = False
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"http://127.0.0.1:{self._port}"
 
     def __enter__(self) -> FakeKube:
-        self._thread.start()
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        with self.cond:
+            self._closed = True
+            server = self._server
+        server.shutdown()
+        server.server_close()
+
+    def inject(self, route: str, *faults: Fault) -> None:
+        """Queue faults for the next requests of `route` (one of ROUTES), in order."""
+        if route not in self.faults:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        with self.cond:
+            self.faults[route].extend(faults)
+
+    def next_fault(self, route: str) -> Fault | None:
+        with self.cond:
+            return self.faults[route].pop(0) if self.faults[route] else None
+
+    def refuse(self, seconds: float) -> None:
+        """An outage (a control-plane upgrade): nothing listens on the port for `seconds`, and
+        every open connection, watches included, is cut."""
+        with self.cond:
+            server, self.refused_until = self._server, time.monotonic() + seconds
+            conns = list(self._conns)
+        server.shutdown()
+        server.socket.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):  # already closed by its client
+                conn.shutdown(socket.SHUT_RDWR)
+        threading.Timer(seconds, self._listen_again).start()
+
+    def _listen_again(self) -> None:
+        with self.cond:
+            if self._closed:
+                return
+            self._server = ThreadingHTTPServer(("127.0.0.1", self._port), _handler(self))
+            threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     # -- cluster behaviour ------------------------------------------------------------------
     def _emit(self, kind: str, job: dict[str, Any]) -> None:
@@ -91,6 +188,15 @@ class FakeKube:
         self.cond.notify_all()
 
     def create_job(self, ns: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        invalid = schema_error(body, "io.k8s.api.batch.v1.Job")
+        if isinstance(body, dict) and (body.get("apiVersion"), body.get("kind")) != (
+            "batch/v1",
+            "Job",
+        ):
+            invalid = f"apiVersion/kind must be batch/v1 Job; {invalid or ''}"
+        if invalid is not None:  # as the API server does, before anything else
+            name = (body.get("metadata") or {}).get("name") if isinstance(body, dict) else None
+            return 422, _status(422, "Invalid", f'Job.batch "{name}" is invalid: {invalid}')
         name = body["metadata"]["name"]
         outcome = self.decide(body)
         with self.cond:
@@ -181,6 +287,13 @@ class FakeKube:
             job["status"]["succeeded" if cond["type"] == "Complete" else "failed"] = 1
             self._emit("MODIFIED", job)
 
+    def get_job(self, name: str) -> tuple[int, dict[str, Any]]:
+        with self.cond:
+            job = self.jobs.get(name)
+            if job is None:
+                return 404, _status(404, "NotFound", f'jobs.batch "{name}" not found')
+            return 200, json.loads(json.dumps(job))
+
     def delete_job(self, name: str) -> tuple[int, dict[str, Any]]:
         with self.cond:
             job = self.jobs.pop(name, None)
@@ -217,6 +330,22 @@ def _matches(obj: dict[str, Any], selector: str | None) -> bool:
     return True
 
 
+def _route(method: str, parts: list[str], query: dict[str, str]) -> str | None:
+    """Which of ROUTES a request is; None: an endpoint the fake does not serve."""
+    if parts[:3] == ["apis", "batch", "v1"] and len(parts) >= 6 and parts[5] == "jobs":
+        if len(parts) == 6:
+            watch = query.get("watch") in ("true", "1", "True")
+            return {"POST": "create", "GET": "watch" if watch else "list"}.get(method)
+        if len(parts) == 7:
+            return {"GET": "get", "DELETE": "delete"}.get(method)
+    if parts[:2] == ["api", "v1"] and len(parts) >= 5 and parts[4] == "pods" and method == "GET":
+        if len(parts) == 5:
+            return "pods"
+        if parts[6:] == ["log"]:
+            return "log"
+    return None
+
+
 def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -224,11 +353,26 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: Any) -> None:  # keep test output quiet
             pass
 
-        def _send(self, code: int, body: Any, ctype: str = "application/json") -> None:
+        def setup(self) -> None:
+            super().setup()
+            with kube.cond:
+                kube._conns.add(self.connection)
+
+        def finish(self) -> None:
+            with kube.cond:
+                kube._conns.discard(self.connection)
+            with contextlib.suppress(OSError):  # cut by an outage
+                super().finish()
+
+        def _send(
+            self, code: int, body: Any, ctype: str = "application/json", retry_after: str = ""
+        ) -> None:
             data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
+            if retry_after:
+                self.send_header("Retry-After", retry_after)
             self.end_headers()
             self.wfile.write(data)
 
@@ -238,52 +382,91 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
             return url.path.strip("/").split("/"), query
 
         def do_POST(self) -> None:
-            parts, _ = self._parts()
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if parts[:3] == ["apis", "batch", "v1"] and parts[5:] == ["jobs"]:
-                self._send(*kube.create_job(parts[4], body))
-            else:
-                self._send(404, _status(404, "NotFound", self.path))
+            self._handle()
 
         def do_DELETE(self) -> None:
-            parts, _ = self._parts()
-            if self.headers.get("Content-Length"):
-                self.rfile.read(int(self.headers["Content-Length"]))
-            if parts[:3] == ["apis", "batch", "v1"] and parts[5] == "jobs" and len(parts) == 7:
-                self._send(*kube.delete_job(parts[6]))
-            else:
-                self._send(404, _status(404, "NotFound", self.path))
+            self._handle()
 
         def do_GET(self) -> None:
+            self._handle()
+
+        def _handle(self) -> None:
             parts, q = self._parts()
-            if parts[:3] == ["apis", "batch", "v1"] and parts[5:] == ["jobs"]:
-                if q.get("watch") in ("true", "1", "True"):
-                    return self._watch(q)
+            route = _route(self.command, parts, q)
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            with kube.cond:
+                kube.requests.append((time.monotonic(), route or "?", self.path))
+            fault = kube.next_fault(route) if route else None
+            if fault is not None and fault.kind == "status":
+                why = _status(fault.status, "InjectedFault", f"injected {fault.status}")
+                return self._send(fault.status, why, retry_after=fault.retry_after)
+            if fault is not None and fault.kind == "refuse":
+                self.close_connection = True  # no answer: the outage cuts this connection too
+                return kube.refuse(fault.seconds)
+            if route == "watch":
+                return self._watch(q, cut=fault is not None and fault.kind == "cut")
+            code, answer, ctype = self._answer(route, parts, q, body)
+            if fault is not None and fault.kind in ("lost", "cut"):
+                self.close_connection = True  # done, but the answer never reaches the client
+                return
+            if fault is not None and fault.kind == "late":
+                time.sleep(fault.seconds)
+            try:
+                self._send(code, answer, ctype)
+            except OSError:  # the client gave up waiting
+                self.close_connection = True
+
+        def _answer(
+            self, route: str | None, parts: list[str], q: dict[str, str], body: Any
+        ) -> tuple[int, Any, str]:
+            if route == "create":
+                return (*kube.create_job(parts[4], body), "application/json")
+            if route == "delete":
+                invalid = body and schema_error(
+                    body, "io.k8s.apimachinery.pkg.apis.meta.v1.DeleteOptions"
+                )
+                if invalid:
+                    return (
+                        422,
+                        _status(422, "Invalid", f"DeleteOptions is invalid: {invalid}"),
+                        "application/json",
+                    )
+                return (*kube.delete_job(parts[6]), "application/json")
+            if route == "get":
+                return (*kube.get_job(parts[6]), "application/json")
+            if route == "list":
                 with kube.cond:
                     items = [j for j in kube.jobs.values() if _matches(j, q.get("labelSelector"))]
                     rv = str(kube.rv)
-                return self._send(200, {"kind": "JobList", "apiVersion": "batch/v1",
-                                        "metadata": {"resourceVersion": rv}, "items": items})  # fmt: skip
-            if parts[:2] == ["api", "v1"] and parts[4:] == ["pods"]:
+                return 200, {"kind": "JobList", "apiVersion": "batch/v1",
+                             "metadata": {"resourceVersion": rv}, "items": items}, "application/json"  # fmt: skip
+            if route == "pods":
                 with kube.cond:
                     items = [p for p in kube.pods.values() if _matches(p, q.get("labelSelector"))]
-                return self._send(200, {"kind": "PodList", "apiVersion": "v1",
-                                        "metadata": {"resourceVersion": str(kube.rv)}, "items": items})  # fmt: skip
-            if parts[:2] == ["api", "v1"] and parts[4] == "pods" and parts[6:] == ["log"]:
+                return 200, {"kind": "PodList", "apiVersion": "v1",
+                             "metadata": {"resourceVersion": str(kube.rv)}, "items": items}, "application/json"  # fmt: skip
+            if route == "log":
                 log = kube.logs.get(parts[5])
                 if log is None:
-                    return self._send(404, _status(404, "NotFound", f'pods "{parts[5]}" not found'))
-                return self._send(200, log, "text/plain")
-            self._send(404, _status(404, "NotFound", self.path))
+                    return (
+                        404,
+                        _status(404, "NotFound", f'pods "{parts[5]}" not found'),
+                        "application/json",
+                    )
+                return 200, log, "text/plain"
+            return 404, _status(404, "NotFound", self.path), "application/json"
 
-        def _watch(self, q: dict[str, str]) -> None:
-            """Chunked stream of events newer than resourceVersion, until timeoutSeconds."""
+        def _watch(self, q: dict[str, str], cut: bool = False) -> None:
+            """Chunked stream of events newer than resourceVersion, until timeoutSeconds; `cut`:
+            the first event's chunk is sent half and the connection dropped."""
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             since = int(q.get("resourceVersion") or 0)
             deadline = time.monotonic() + float(q.get("timeoutSeconds") or 30)
+            self.close_connection = True
             try:
                 while time.monotonic() < deadline:
                     with kube.cond:
@@ -297,12 +480,16 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                             continue
                     for rv, kind, obj in fresh:
                         line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                        if cut:
+                            self.wfile.write(f"{len(line):x}\r\n".encode() + line[: len(line) // 2])
+                            self.wfile.flush()
+                            self.connection.shutdown(socket.SHUT_RDWR)
+                            return
                         self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
                         self.wfile.flush()
                         since = rv
                 self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError):  # the client stopped watching
+            except OSError:  # the client stopped watching, or an outage cut the stream
                 pass
-            self.close_connection = True
 
     return Handler
