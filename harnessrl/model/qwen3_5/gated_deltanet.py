@@ -1,0 +1,153 @@
+"""Model stage: the Gated DeltaNet token mixer's math (causal conv, the gated delta rule).
+
+In: one layer's projected activations `[b, t, ...]` and the run ids of packed rows. Out: mixed
+activations. No parameters live here (`decoder.py` owns them). Letters: b batch, t length,
+n chunk, c position in a chunk (i query, j key), h value heads, k key_dim, v value_dim, w the
+conv kernel, f conv channels.
+
+Packing: `run_ids` numbers the maximal runs of equal segment ids in a row; every function here
+lets information flow only within a run, so a packed row equals each sequence run alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def run_ids(segment_ids_bt: jax.Array) -> jax.Array:
+    """[b, t] int32: 0 for the first run of equal segment ids in a row, +1 at every change."""
+    change_bt = segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]
+    return jnp.concatenate(
+        [jnp.zeros_like(segment_ids_bt[:, :1]), jnp.cumsum(change_bt, axis=1)], axis=1
+    ).astype(jnp.int32)
+
+
+def causal_conv(x_btf: jax.Array, w_wf: jax.Array, run_bt: jax.Array) -> jax.Array:
+    """SiLU(depthwise causal conv1d): `out_t = sum_s w[W-1-s] * x_{t-s}` over s within t's run."""
+    width = w_wf.shape[0]
+    out_btf = x_btf * w_wf[width - 1]
+    for s in range(1, width):  # the kernel is 4 wide: a few shifted adds beat a general conv
+        shifted_btf = jnp.pad(x_btf, ((0, 0), (s, 0), (0, 0)))[:, : x_btf.shape[1]]
+        shifted_run_bt = jnp.pad(run_bt, ((0, 0), (s, 0)), constant_values=-1)[:, : run_bt.shape[1]]
+        same_bt1 = (shifted_run_bt == run_bt)[..., None]
+        out_btf = out_btf + jnp.where(same_bt1, shifted_btf, 0) * w_wf[width - 1 - s]
+    return jax.nn.silu(out_btf)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """`x * rsqrt(sum x^2 + eps)` over the last axis, in float32 (as the FLA kernels do)."""
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def chunked_gated_delta_rule(
+    q_bthk: jax.Array,
+    k_bthk: jax.Array,
+    v_bthv: jax.Array,
+    g_bth: jax.Array,
+    beta_bth: jax.Array,
+    run_bt: jax.Array,
+    chunk: int,
+) -> jax.Array:
+    """The gated delta rule over whole rows, `chunk` tokens at a time (static shapes).
+
+    Per head, with state S [k, v]: `S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S'^T k_t))^T`
+    where `S' = exp(g_t) S_{t-1}`, and `o_t = S_t^T q_t`; S restarts at 0 where the run changes.
+    Within a chunk the t updates are folded into one unit-lower-triangular solve (the WY/UT form
+    of the DeltaNet paper); a scan carries S from chunk to chunk. q and k arrive normalized and
+    q already scaled; heads of q/k are already repeated to the value heads. All in float32.
+    """
+    b, t, h, dk = q_bthk.shape
+    dv = v_bthv.shape[-1]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    f32 = jnp.float32
+
+    def chunks(x: jax.Array) -> jax.Array:  # [b, t, h, ...] -> [b, h, n, c, ...]
+        x = jnp.pad(x.astype(f32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        x = x.reshape(b, n, chunk, *x.shape[2:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q, k, v = chunks(q_bthk), chunks(k_bthk), chunks(v_bthv)
+    g_bhnc, beta_bhnc = chunks(g_bth), chunks(beta_bth)
+    # Padding is a run of its own, so it never reaches real tokens.
+    run_bnc = jnp.pad(run_bt, ((0, 0), (0, pad)), constant_values=-1).reshape(b, n, chunk)
+    run_b1nc = run_bnc[:, None]
+    same_b1ncc = run_b1nc[..., :, None] == run_b1nc[..., None, :]  # [.., i, j]
+    causal_cc = jnp.tril(jnp.ones((chunk, chunk), bool))
+    seen_b1ncc = same_b1ncc & causal_cc
+    # Log-decay accumulated from the run's first token in this chunk up to i (a segmented cumsum).
+    cum_bhnc = jnp.einsum("bnij,bhnj->bhni", seen_b1ncc[:, 0].astype(f32), g_bhnc)
+    diff = cum_bhnc[..., :, None] - cum_bhnc[..., None, :]
+    decay_bhncc = jnp.exp(jnp.where(seen_b1ncc, diff, -jnp.inf))  # exp(sum g_{j+1..i}), j <= i
+    # Whether token i continues the run that the state entering this chunk belongs to.
+    entering_b1n = jnp.concatenate(
+        [jnp.full((b, 1, 1), -2, run_bnc.dtype), run_b1nc[:, :, :-1, -1]], axis=2
+    )
+    carried_b1nc = (run_b1nc == entering_b1n[..., None]).astype(f32)
+    from_start_bhnc = jnp.exp(cum_bhnc) * carried_b1nc
+    last_b1nc1 = run_b1nc == run_b1nc[..., -1:]
+    to_end_bhnc = jnp.where(last_b1nc1, jnp.exp(cum_bhnc[..., -1:] - cum_bhnc), 0.0)
+    chunk_decay_bhn = from_start_bhnc[..., -1]
+
+    kb = k * beta_bhnc[..., None]
+    vb = v * beta_bhnc[..., None]
+    strict_cc = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    a_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * decay_bhncc * strict_cc
+    # (I + A) u = beta v and (I + A) w = beta k decayed from the chunk start: the delta rule's
+    # corrections within the chunk, resolved at once.
+    eye_plus_a = a_bhncc + jnp.eye(chunk, dtype=f32)
+    solve = jax.lax.linalg.triangular_solve
+    u = solve(eye_plus_a, vb, left_side=True, lower=True, unit_diagonal=True)
+    w = solve(
+        eye_plus_a, kb * from_start_bhnc[..., None], left_side=True, lower=True, unit_diagonal=True
+    )
+    intra_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay_bhncc
+    q_read = q * from_start_bhnc[..., None]
+    k_write = k * to_end_bhnc[..., None]
+
+    def step(s_bhkv: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        u_c, w_c, q_c, k_c, intra_c, decay_c = xs
+        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s_bhkv)
+        o_c = jnp.einsum("bhck,bhkv->bhcv", q_c, s_bhkv) + jnp.einsum(
+            "bhij,bhjv->bhiv", intra_c, v_new
+        )
+        s_bhkv = s_bhkv * decay_c[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new)
+        return s_bhkv, o_c
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_read, k_write, intra_bhncc, chunk_decay_bhn))
+    _, o_nbhcv = jax.lax.scan(step, jnp.zeros((b, h, dk, dv), f32), xs)
+    o_bthv = jnp.moveaxis(o_nbhcv, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.moveaxis(o_bthv, 1, 2)
+
+
+def recurrent_gated_delta_rule(
+    q_bthk: jax.Array,
+    k_bthk: jax.Array,
+    v_bthv: jax.Array,
+    g_bth: jax.Array,
+    beta_bth: jax.Array,
+    s_bhkv: jax.Array,
+    keep_bt: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The same rule one token at a time from state `s_bhkv`, for decoding; returns (o, state).
+
+    `keep_bt` is 1 where a token continues the sequence the state holds and 0 where one starts
+    a new sequence (the state is dropped before that token).
+    """
+    f32 = jnp.float32
+
+    def step(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        q_t, k_t, v_t, g_t, beta_t, keep_t = xs
+        s = s * (jnp.exp(g_t) * keep_t[:, None])[..., None, None]
+        delta_bhv = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta_bhv)
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(
+        jnp.moveaxis(x.astype(f32), 1, 0)
+        for x in (q_bthk, k_bthk, v_bthv, g_bth, beta_bth, keep_bt)
+    )
+    s_bhkv, o_tbhv = jax.lax.scan(step, s_bhkv.astype(f32), xs)
+    return jnp.moveaxis(o_tbhv, 0, 1), s_bhkv
