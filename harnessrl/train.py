@@ -62,6 +62,7 @@ from harnessrl.rollout import (
 )
 from harnessrl.serve.app import start_server
 from harnessrl.traces import TraceStore, open_store
+from proxy_sidecar.webhook import SidecarSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SMOKE_DEVICES = 2  # the smoke run's sharded update spans this many simulated CPU devices
@@ -98,6 +99,7 @@ class Run:
     started: float  # time.monotonic() at process start: model loading counts against the budget
     minutes_before: float = 0.0  # wall minutes of interrupted attempts before this one
     last_eval_s: float = 0.0
+    viewer: Any = None  # the trace viewer's handle with run.view
 
 
 # ---- tasks, launcher, services -------------------------------------------------------------------
@@ -135,9 +137,7 @@ def make_launcher(cfg: TrainConfig, coding: Coding) -> Launcher:
         if r.launcher == "kubernetes":  # a Job per run; {python}, {examples} expand in the pod
             from harnessrl.pods.coding import KubernetesCodingLauncher
 
-            k8s = dataclasses.replace(
-                r.kubernetes, sidecar=dataclasses.replace(r.kubernetes.sidecar, upstream=r.servers)
-            )
+            k8s = dataclasses.replace(r.kubernetes, sidecar=pod_sidecar(cfg))
             code = dataclasses.replace(code, mini_config=mini_config)
             model = cfg.sidecar.model or cfg.serve.model_name
             return KubernetesCodingLauncher(k8s, code, coding, model=model)
@@ -152,11 +152,21 @@ def make_launcher(cfg: TrainConfig, coding: Coding) -> Launcher:
         from harnessrl.rollout.k8s import KubernetesLauncher
 
         k8s = r.kubernetes
-        sidecar = dataclasses.replace(k8s.sidecar, upstream=r.servers)
         command = harness_command(cfg, k8s.command)
-        return KubernetesLauncher(dataclasses.replace(k8s, command=command, sidecar=sidecar))
+        return KubernetesLauncher(
+            dataclasses.replace(k8s, command=command, sidecar=pod_sidecar(cfg))
+        )
     command = harness_command(cfg, r.local.command)
     return LocalLauncher(dataclasses.replace(r.local, command=command))
+
+
+def pod_sidecar(cfg: TrainConfig) -> SidecarSpec:
+    """The harness pods' sidecar: it forwards to rollout.servers and rewrites each call's model
+    to the name they serve, as the local sidecar does (a harness asking for "default" of a vLLM
+    serving "policy" would get 404 on every call)."""
+    spec = cfg.rollout.kubernetes.sidecar
+    model = spec.model or cfg.sidecar.model or cfg.serve.model_name
+    return dataclasses.replace(spec, upstream=cfg.rollout.servers, model=model)
 
 
 def setup(cfg: TrainConfig, started: float) -> Run:
@@ -178,10 +188,26 @@ def setup(cfg: TrainConfig, started: float) -> Run:
         raise
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
-    return Run(
+    run = Run(
         cfg, out, store, learner, serving, capture, launcher, evaluate, log, train_tasks,
         eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
     )  # fmt: skip
+    if cfg.run.view:
+        try:
+            run.viewer = start_view(cfg, store_url, out)
+        except BaseException:
+            teardown(run)  # nothing may outlive a failed start
+            raise
+        log.console.print(f"view: {run.viewer.url}")
+    return run
+
+
+def start_view(cfg: TrainConfig, store_url: str, out: Path) -> Any:
+    """The trace viewer on 127.0.0.1 (run.view_port), reading the run's store and out_dir."""
+    from harnessrl.view.config import ViewConfig
+    from harnessrl.view.serve import start_viewer
+
+    return start_viewer(ViewConfig(store=store_url, runs=str(out), port=cfg.run.view_port))
 
 
 def make_evaluator(cfg: TrainConfig, coding: Coding) -> Evaluate:
@@ -246,6 +272,8 @@ def resume(run: Run) -> None:
 def teardown(run: Run) -> None:
     if isinstance(run.launcher, LocalLauncher | CodingLauncher):
         run.launcher.stop()
+    if run.viewer is not None:
+        run.viewer.stop()
     run.capture.stop()
     run.serving.stop()
     run.learner.close()  # waits for an async checkpoint to be committed

@@ -38,6 +38,9 @@ class SidecarSpec:
     api_key: str = "harnessrl"  # what the harness sends; the sidecar does not check it
     cpu: str = "250m"  # sidecar CPU request
     memory: str = "256Mi"  # sidecar memory request and limit
+    # The harness's model name is rewritten to this, whatever it asks for: vLLM 404s any name
+    # but its --served-model-name
+    model: str = ""  # model name every call is sent upstream with; "": the harness's own
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image:
@@ -82,6 +85,7 @@ def sidecar_container(
         "args": [
             *("--upstream", spec.upstream, "--store", "$(HARNESSRL_STORE_URL)"),
             *("--host", "0.0.0.0", "--port", str(spec.port)),
+            *(("--model", spec.model) if spec.model else ()),
         ],
         "env": [
             _secret_env("HARNESSRL_STORE_URL", spec.store_secret, "url"),
@@ -248,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sidecar-port", type=int, default=SidecarSpec.port)
     ap.add_argument("--store-secret", default=SidecarSpec.store_secret)
     ap.add_argument("--control-secret", default=SidecarSpec.control_secret)
+    ap.add_argument("--model", default="", help="model name the sidecar sends upstream")
     args = ap.parse_args(argv)
     spec = SidecarSpec(
         image=args.sidecar_image,
@@ -255,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         port=args.sidecar_port,
         store_secret=args.store_secret,
         control_secret=args.control_secret,
+        model=args.model,
     )
     import uvicorn
 
