@@ -4,7 +4,9 @@ never a 500; failed calls are recorded with their error. Against the fake vLLM."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -15,6 +17,11 @@ import pytest
 from fake_vllm import FakeVLLM, ServerThread, free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from harnessrl.model.tokenizer import ChatTokenizer
+from harnessrl.traces.schema import CallRecord
+from harnessrl.traces.sqlite import SQLiteTraceStore
+from proxy_sidecar.dialects.tokens import load_tokenizer
 
 ROUTES = {"responses": "/v1/responses", "messages": "/v1/messages"}
 GOOD = {
@@ -289,3 +296,75 @@ def test_fuzzed_bodies_never_500(dialect: str, tokenin: Any) -> None:
 
     check()
     client.close()
+
+
+def test_an_api_key_reaches_the_upstream_as_a_bearer_token(
+    fake: tuple[FakeVLLM, ServerThread], tokenin: Any
+) -> None:
+    resp = httpx.post(
+        tokenin.url + "/v1/messages",
+        json=GOOD["messages"],
+        headers={"x-api-key": "sk-ant-1", "anthropic-version": "2023-06-01"},
+    )
+    assert resp.status_code == 200, resp.text
+    (seen,) = fake[0].seen
+    assert (b"authorization", b"Bearer sk-ant-1") in seen["headers"]
+
+
+class BrokenStore(SQLiteTraceStore):
+    """A store whose commits all fail (a full disk, a lost database)."""
+
+    inline_writes = False
+
+    def add_calls(self, calls: list[CallRecord]) -> list[int]:
+        raise OSError("disk full")
+
+    def add_call(self, call: CallRecord) -> int:
+        raise OSError("disk full")
+
+
+@pytest.mark.parametrize("dialect", ["responses", "messages"])
+def test_a_call_the_store_cannot_record_is_a_503(
+    dialect: str,
+    fake: tuple[FakeVLLM, ServerThread],
+    make_sidecar: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    broken = make_sidecar((fake[1].url,), store=BrokenStore(tmp_path / "b.db"), tokenizer="tiny")
+    resp = httpx.post(broken.url + ROUTES[dialect], json=GOOD[dialect])
+    assert "could not record" in assert_shape(dialect, resp, 503)
+    with httpx.stream(
+        "POST", broken.url + ROUTES[dialect], json={**GOOD[dialect], "stream": True}
+    ) as r:
+        body = r.read().decode()
+    assert r.status_code == 200 and "could not record" in body.rsplit("event: ", 1)[1]
+
+
+def test_a_template_that_refuses_a_conversation_is_a_400(
+    fake: tuple[FakeVLLM, ServerThread], make_sidecar: Callable[..., Any], tmp_path: Path
+) -> None:
+    tok = load_tokenizer("tiny")
+    strict = (
+        "{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no booms') }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    ChatTokenizer(tok.tokenizer, strict, tok.special_tokens).save(tmp_path / "strict")
+    side = make_sidecar((fake[1].url,), tokenizer=str(tmp_path / "strict"))
+    resp = httpx.post(side.url + "/v1/responses", json={"model": "smol", "input": "boom"})
+    assert "no booms" in assert_shape("responses", resp, 400)
+    ok = httpx.post(side.url + "/v1/responses", json={"model": "smol", "input": "fine"})
+    assert ok.status_code == 200
+
+
+def test_a_client_that_leaves_mid_stream_is_recorded(
+    fake: tuple[FakeVLLM, ServerThread], tokenin: Any
+) -> None:
+    fake[0].delay_s = 0.2
+    body = {"model": "smol", "input": "hi", "max_output_tokens": 30, "stream": True}
+    with httpx.stream("POST", tokenin.base("gone") + "/responses", json=body) as resp:
+        next(resp.iter_raw())  # the opening events, then the harness goes away
+    deadline = time.monotonic() + 30
+    while not tokenin.store.count_calls("gone") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (call,) = tokenin.store.calls("gone")
+    assert call.error == "client disconnected"
