@@ -60,12 +60,16 @@ class RunConfig:
     display: bool = True  # live rich progress table (plain log lines when off or not a TTY)
     tensorboard: bool = True  # TensorBoard event files under out_dir/tb
     sidecar_startup_s: float = 60.0  # how long to wait for this process's sidecar to be healthy
+    view: bool = False  # serve the trace viewer (127.0.0.1) during the run; prints its address
+    view_port: int = 0  # the viewer's port with run.view; 0 picks a free one
 
     def __post_init__(self) -> None:
         _check_choice("run.loop", self.loop, LOOP_MODES)
         for name in ("steps", "eval_every"):
             _check_min(f"run.{name}", getattr(self, name), 1)
         _check_min("run.max_staleness", self.max_staleness, 0)
+        if isinstance(self.view_port, bool) or not 0 <= self.view_port <= 65535:
+            raise ValueError(f"run.view_port must be in [0, 65535], got {self.view_port!r}")
         if not self.max_minutes >= 0:
             raise ValueError(f"run.max_minutes must be >= 0, got {self.max_minutes!r}")
         if not self.sidecar_startup_s > 0:

@@ -99,6 +99,7 @@ class Run:
     started: float  # time.monotonic() at process start: model loading counts against the budget
     minutes_before: float = 0.0  # wall minutes of interrupted attempts before this one
     last_eval_s: float = 0.0
+    viewer: Any = None  # the trace viewer's handle with run.view
 
 
 # ---- tasks, launcher, services -------------------------------------------------------------------
@@ -187,10 +188,26 @@ def setup(cfg: TrainConfig, started: float) -> Run:
         raise
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
-    return Run(
+    run = Run(
         cfg, out, store, learner, serving, capture, launcher, evaluate, log, train_tasks,
         eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
     )  # fmt: skip
+    if cfg.run.view:
+        try:
+            run.viewer = start_view(cfg, store_url, out)
+        except BaseException:
+            teardown(run)  # nothing may outlive a failed start
+            raise
+        log.console.print(f"view: {run.viewer.url}")
+    return run
+
+
+def start_view(cfg: TrainConfig, store_url: str, out: Path) -> Any:
+    """The trace viewer on 127.0.0.1 (run.view_port), reading the run's store and out_dir."""
+    from harnessrl.view.config import ViewConfig
+    from harnessrl.view.serve import start_viewer
+
+    return start_viewer(ViewConfig(store=store_url, runs=str(out), port=cfg.run.view_port))
 
 
 def make_evaluator(cfg: TrainConfig, coding: Coding) -> Evaluate:
@@ -255,6 +272,8 @@ def resume(run: Run) -> None:
 def teardown(run: Run) -> None:
     if isinstance(run.launcher, LocalLauncher | CodingLauncher):
         run.launcher.stop()
+    if run.viewer is not None:
+        run.viewer.stop()
     run.capture.stop()
     run.serving.stop()
     run.learner.close()  # waits for an async checkpoint to be committed
