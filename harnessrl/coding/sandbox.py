@@ -247,9 +247,11 @@ class Sandbox:
         binds: list[str] = []
         for d in (self.workdir, *writable, *([self.dir / "net"] if relays else [])):
             binds += ["--bind", str(d), str(d)]
+        # The private /tmp comes first: what is bound after it stays visible even when it lives
+        # under the host's /tmp (a clone and its .venv made in a temporary folder).
         return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-                "--cap-drop", "ALL", *self._visible(), "--dev", "/dev", "--proc", "/proc",
-                "--tmpfs", "/tmp", *binds, "--chdir", str(self.workdir), *argv]  # fmt: skip
+                "--cap-drop", "ALL", "--tmpfs", "/tmp", *self._visible(), "--dev", "/dev",
+                "--proc", "/proc", *binds, "--chdir", str(self.workdir), *argv]  # fmt: skip
 
     def run(
         self,

@@ -3,6 +3,7 @@ from __future__ import annotations
 import http.server
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -162,6 +163,21 @@ def test_a_long_root_and_task_id_still_fit_the_relay_socket(tmp_path, http_serve
     with pytest.raises(ValueError, match=r"set sandbox\.root to a shorter folder"):
         prepare(task, SandboxConfig(root=str(too_long)))
     assert not too_long.exists()
+
+
+@needs_bwrap
+def test_read_only_paths_under_the_host_tmp_stay_visible_over_the_private_tmp(tmp_path):
+    """A clone and its .venv in a temporary folder (as a fresh-clone CI makes them) must be seen
+    inside: the private /tmp is mounted first and the read-only paths over it."""
+    tool = tmp_path / "tool"
+    tool.mkdir()
+    (tool / "hello.txt").write_text("from a folder under /tmp")
+    assert str(tool).startswith(tempfile.gettempdir())
+    with prepare(value_task(), config(tmp_path, ro_paths=(str(tool),))) as sb:
+        done = sb.run(["cat", str(tool / "hello.txt")])
+        assert done.exit_code == 0 and done.stdout == "from a folder under /tmp", done.stderr
+        assert sb.run(["touch", str(tool / "planted")]).exit_code != 0
+        assert sb.run(["sh", "-c", "touch /tmp/mine && test -e /tmp/mine"]).exit_code == 0
 
 
 @needs_bwrap
