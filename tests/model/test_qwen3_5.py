@@ -307,3 +307,37 @@ def test_every_parameter_has_logical_axes() -> None:
         axes = var.get_metadata()["out_sharding"]
         assert len(axes) == var[...].ndim, path
         assert set(axes) - {None} <= set(LOGICAL_AXES), path
+
+
+def test_decode_through_the_cache_equals_the_full_forward() -> None:
+    """Prefill slot 1 in two chunks (the second padded), decode one token a call beside an idle
+    slot 0, then reuse slot 1 for a new sequence: every logit equals the full forward's."""
+    from harnessrl.model.qwen3_5.cache import HybridCache
+
+    model = random_model("hybrid")
+    cfg = model.cfg
+    steps = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, length=32))
+    one_slot = nnx.jit(lambda m, t, p, c, s: m.decode(t, p, c, slot=s, length=32))
+    seq = _ids(cfg, 17, seed=5)
+    full = _logits(model, np.asarray([seq + [0] * (LENGTH - 17)]), np.arange(LENGTH)[None])[0]
+    scale = float(np.abs(full[:17]).max())
+    cache = HybridCache.create(cfg, slots=2, max_len=32)
+    got = []
+    for start, end in ((0, 6), (6, 11)):  # chunks of 6: the second carries one pad
+        tokens, positions = np.zeros((1, 6), np.int32), np.full((1, 6), -1, np.int32)
+        tokens[0, : end - start], positions[0, : end - start] = seq[start:end], range(start, end)
+        logits, cache = one_slot(model, jnp.asarray(tokens), jnp.asarray(positions), cache, 1)
+        got.append(np.asarray(logits)[0, : end - start])
+    for p in range(11, 17):
+        tokens = jnp.asarray([[0], [seq[p]]], jnp.int32)
+        logits, cache = steps(model, tokens, jnp.asarray([[-1], [p]], jnp.int32), cache)
+        got.append(np.asarray(logits)[1])
+    assert_reordered_close(np.concatenate(got), full[:17], cfg, LENGTH, scale)
+    # Slot 1 again from position 0 (its state dropped), and slot 0's first sequence.
+    other = _ids(cfg, 5, seed=6)
+    alone = _logits(model, np.asarray([other + [0] * (LENGTH - 5)]), np.arange(LENGTH)[None])
+    for slot, ids, want in ((1, seq[:5], full[:5]), (0, other, alone[0, :5])):
+        tokens = jnp.asarray([[*ids, 0]], jnp.int32)
+        positions = jnp.asarray([[*range(5), -1]], jnp.int32)
+        logits, cache = one_slot(model, tokens, positions, cache, slot)
+        assert_reordered_close(np.asarray(logits)[0, :5], want, cfg, LENGTH, scale)

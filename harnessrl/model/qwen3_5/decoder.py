@@ -17,12 +17,16 @@ import numpy as np
 from flax import nnx
 
 from harnessrl.model import attention as attn
+from harnessrl.model.decoder import KVCache
 from harnessrl.model.qwen3_5 import gated_deltanet as gdn
+from harnessrl.model.qwen3_5.cache import HybridCache
 from harnessrl.model.qwen3_5.config import Qwen35Config
 from harnessrl.model.sharding import constrain, param_sharding
 
 INIT_STDDEV = 0.02
 Weights = dict[str, jax.Array]
+DELTANET_PROJ = ("wq_ldrk", "wk_ldrk", "wv_ldhv")  # the conv runs over these channels, in order
+DELTANET_CONV = ("conv_q_lwrk", "conv_k_lwrk", "conv_v_lwhv")
 
 
 def _param(
@@ -135,40 +139,55 @@ def mlp_tail(cfg: Qwen35Config, w: Weights, x_btd: jax.Array, mixed_btd: jax.Arr
     return constrain(x_btd + mlp_btd, ("batch", "length", "embed"))
 
 
-def deltanet_layer(cfg: Qwen35Config, w: Weights, x_btd: jax.Array, run_bt: jax.Array) -> jax.Array:
-    """One Gated DeltaNet layer (token mixer and MLP) over whole packed rows."""
-    ct = cfg.compute_jnp_dtype
-    h_btd = zc_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(ct)
-    q_btrk, k_btrk, v_bthv = (
-        gdn.causal_conv(
-            attn.dense(h_btd, w[proj].astype(ct)).reshape(*h_btd.shape[:2], -1),
-            w[conv].astype(ct).reshape(cfg.linear_conv_kernel_dim, -1),
-            run_bt,
-        ).reshape(*h_btd.shape[:2], *w[proj].shape[1:])
-        for proj, conv in (
-            ("wq_ldrk", "conv_q_lwrk"),
-            ("wk_ldrk", "conv_k_lwrk"),
-            ("wv_ldhv", "conv_v_lwhv"),
-        )
+def deltanet_inputs(
+    cfg: Qwen35Config, w: Weights, h_btd: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The conv's input channels [q | k | v] and kernel, the output gate z, beta and log-decay g."""
+    ct, (b, t, _) = cfg.compute_jnp_dtype, h_btd.shape
+    x_btf = jnp.concatenate(
+        [attn.dense(h_btd, w[p].astype(ct)).reshape(b, t, -1) for p in DELTANET_PROJ], -1
     )
+    width = cfg.linear_conv_kernel_dim
+    conv_wf = jnp.concatenate([w[c].astype(ct).reshape(width, -1) for c in DELTANET_CONV], -1)
     z_bthv = attn.dense(h_btd, w["wz_ldhv"].astype(ct))
     beta_bth = jax.nn.sigmoid(attn.dense(h_btd, w["wb_ldh"].astype(ct)).astype(jnp.float32))
     a_bth = attn.dense(h_btd, w["wa_ldh"].astype(ct)).astype(jnp.float32)
     g_bth = -jnp.exp(w["a_log_lh"].astype(jnp.float32)) * jax.nn.softplus(
         a_bth + w["dt_bias_lh"].astype(jnp.float32)
     )
+    return x_btf, conv_wf, z_bthv, beta_bth, g_bth
+
+
+def deltanet_heads(cfg: Qwen35Config, xc_btf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split the conv output into normalized queries (scaled) and keys per value head, values."""
+    (b, t, _), r, k = xc_btf.shape, cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    q_btrk = xc_btf[..., : r * k].reshape(b, t, r, k)
+    k_btrk = xc_btf[..., r * k : 2 * r * k].reshape(b, t, r, k)
+    v_bthv = xc_btf[..., 2 * r * k :].reshape(b, t, cfg.linear_num_value_heads, -1)
     # Value head i reads key head i // (value heads per key head), transformers' repeat_interleave.
-    group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    q_bthk = jnp.repeat(gdn.l2_normalize(q_btrk), group, axis=2) * cfg.linear_key_head_dim**-0.5
-    k_bthk = jnp.repeat(gdn.l2_normalize(k_btrk), group, axis=2)
-    o_bthv = gdn.chunked_gated_delta_rule(
-        q_bthk, k_bthk, v_bthv, g_bth, beta_bth, run_bt, cfg.chunk_size
-    )
+    group = cfg.linear_num_value_heads // r
+    q_bthk = jnp.repeat(gdn.l2_normalize(q_btrk), group, axis=2) * k**-0.5
+    return q_bthk, jnp.repeat(gdn.l2_normalize(k_btrk), group, axis=2), v_bthv
+
+
+def deltanet_out(cfg: Qwen35Config, w: Weights, o_bthv: jax.Array, z_bthv: jax.Array) -> jax.Array:
+    """Gated RMSNorm of each head's output (a plain, not zero-centred, weight), then out_proj."""
+    ct = cfg.compute_jnp_dtype
     o_bthv = attn.rms_norm(o_bthv, w["out_norm_lv"], cfg.rms_norm_eps) * jax.nn.silu(
         z_bthv.astype(jnp.float32)
     )
-    mixed_btd = jnp.einsum("bthv,hvd->btd", o_bthv.astype(ct), w["wo_lhvd"].astype(ct))
-    return mlp_tail(cfg, w, x_btd, mixed_btd)
+    return jnp.einsum("bthv,hvd->btd", o_bthv.astype(ct), w["wo_lhvd"].astype(ct))
+
+
+def deltanet_layer(cfg: Qwen35Config, w: Weights, x_btd: jax.Array, run_bt: jax.Array) -> jax.Array:
+    """One Gated DeltaNet layer (token mixer and MLP) over whole packed rows, chunked."""
+    h_btd = zc_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(cfg.compute_jnp_dtype)
+    x_btf, conv_wf, z_bthv, beta_bth, g_bth = deltanet_inputs(cfg, w, h_btd)
+    q_bthk, k_bthk, v_bthv = deltanet_heads(cfg, gdn.causal_conv(x_btf, conv_wf, run_bt))
+    o_bthv = gdn.chunked_gated_delta_rule(
+        q_bthk, k_bthk, v_bthv, g_bth, beta_bth, run_bt, cfg.chunk_size
+    )
+    return mlp_tail(cfg, w, x_btd, deltanet_out(cfg, w, o_bthv, z_bthv))
 
 
 def attention_qkv(
@@ -243,6 +262,95 @@ class Qwen35Decoder(nnx.Module):
         )
         x_btd, _ = jax.lax.scan(group, self.embed(tokens_bt), (linear_w, self.full.stacked()))
         return self.logits(x_btd)
+
+    def decode(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        cache: HybridCache,
+        *,
+        slot: int | jax.Array | None = None,
+        length: int | None = None,
+        last: int | jax.Array | None = None,
+    ) -> tuple[jax.Array, HybridCache]:
+        """Serving step over cache slots: `Decoder.decode`'s contract, with `HybridCache`.
+
+        The DeltaNet layers run the delta rule token by token from each slot's state; a row's
+        real tokens come first and its padding (position -1) after them.
+        """
+        cfg = self.cfg
+        b, t = tokens_bt.shape
+        length = cache.max_len if length is None else length
+        cache.check_step(b, slot, length)
+        cos_bte, sin_bte = attn.rope_tables(positions_bt, rope_inv_freq(cfg))
+        mask_bts = attn.cache_mask(positions_bt, length)
+        write_bt = jnp.where(positions_bt >= 0, positions_bt, cache.max_len)  # -1: dropped
+        first = 0 if slot is None else slot
+        slots_b = first + jnp.arange(b)
+        slots_bt = jnp.broadcast_to(slots_b[:, None], (b, t))
+        real_bt1 = (positions_bt >= 0)[..., None]
+        keep_bt = (positions_bt != 0).astype(jnp.float32)  # position 0 drops the old state
+        window = (1, b, length, cfg.num_kv_heads, cfg.head_dim)
+        eps = cfg.rms_norm_eps
+
+        LinearCarry = tuple[jax.Array, jax.Array, jax.Array]
+
+        def linear(carry: LinearCarry, xs: tuple[Weights, jax.Array]) -> tuple[LinearCarry, None]:
+            x_btd, conv_lbwf, state_lbhkv = carry
+            w, j = xs
+            h_btd = zc_norm(x_btd, w["attn_norm_ld"], eps).astype(x_btd.dtype)
+            x_btf, conv_wf, z_bthv, beta_bth, g_bth = deltanet_inputs(cfg, w, h_btd)
+            xc_btf, conv_bwf = gdn.conv_step(x_btf, conv_wf, conv_lbwf[j, slots_b], positions_bt)
+            q_bthk, k_bthk, v_bthv = deltanet_heads(cfg, xc_btf)
+            # Padding neither decays nor writes the state.
+            g_bth, beta_bth = jnp.where(real_bt1, g_bth, 0.0), jnp.where(real_bt1, beta_bth, 0.0)
+            o_bthv, s_bhkv = gdn.recurrent_gated_delta_rule(
+                q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_lbhkv[j, slots_b], keep_bt
+            )
+            conv_lbwf = conv_lbwf.at[j, slots_b].set(conv_bwf.astype(conv_lbwf.dtype))
+            state_lbhkv = state_lbhkv.at[j, slots_b].set(s_bhkv)
+            x_btd = mlp_tail(cfg, w, x_btd, deltanet_out(cfg, w, o_bthv, z_bthv))
+            return (x_btd, conv_lbwf, state_lbhkv), None
+
+        def full(
+            x_btd: jax.Array, kv: KVCache, w: Weights, i: jax.Array
+        ) -> tuple[jax.Array, KVCache]:
+            h_btd = zc_norm(x_btd, w["attn_norm_ld"], eps).astype(x_btd.dtype)
+            q_bthe, k_btke, v_btke, gate_bthe = attention_qkv(cfg, w, h_btd, cos_bte, sin_bte)
+            at = (jnp.full_like(slots_bt, i), slots_bt, write_bt)
+            k_lbske = kv.k_lbske.at[at].set(k_btke.astype(kv.k_lbske.dtype), mode="drop")
+            v_lbske = kv.v_lbske.at[at].set(v_btke.astype(kv.v_lbske.dtype), mode="drop")
+            k_bske, v_bske = (
+                jax.lax.dynamic_slice(c, (i, first, 0, 0, 0), window)[0].astype(x_btd.dtype)
+                for c in (k_lbske, v_lbske)
+            )
+            o_bthe = attn.attend(q_bthe, k_bske, v_bske, mask_bts)
+            x_btd = mlp_tail(cfg, w, x_btd, attention_out(cfg, w, o_bthe, gate_bthe))
+            return x_btd, KVCache(k_lbske=k_lbske, v_lbske=v_lbske)
+
+        per_group = cfg.full_attention_interval - 1
+
+        def group(
+            carry: tuple[jax.Array, HybridCache], xs: tuple[Weights, Weights, jax.Array]
+        ) -> tuple[tuple[jax.Array, HybridCache], None]:
+            # The whole cache is the carry, so each layer's scatter updates it in place.
+            x_btd, c = carry
+            linear_w, full_w, i = xs
+            layer_ids = i * per_group + jnp.arange(per_group)
+            (x_btd, conv, state), _ = jax.lax.scan(
+                linear, (x_btd, c.conv_lbwf, c.state_lbhkv), (linear_w, layer_ids)
+            )
+            x_btd, kv = full(x_btd, c.kv, full_w, i)
+            return (x_btd, HybridCache(kv=kv, conv_lbwf=conv, state_lbhkv=state)), None
+
+        linear_w = jax.tree.map(
+            lambda a: a.reshape(cfg.num_groups, per_group, *a.shape[1:]), self.linear.stacked()
+        )
+        xs = (linear_w, self.full.stacked(), jnp.arange(cfg.num_groups))
+        (x_btd, cache), _ = jax.lax.scan(group, (self.embed(tokens_bt), cache), xs)
+        if last is not None:  # the vocab projection only where a token is sampled
+            x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
+        return self.logits(x_btd), cache
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(self.cfg.compute_jnp_dtype)

@@ -151,3 +151,31 @@ def recurrent_gated_delta_rule(
     )
     s_bhkv, o_tbhv = jax.lax.scan(step, s_bhkv.astype(f32), xs)
     return jnp.moveaxis(o_tbhv, 0, 1), s_bhkv
+
+
+def conv_step(
+    x_btf: jax.Array, w_wf: jax.Array, conv_bwf: jax.Array, positions_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`causal_conv` continuing from each row's cached last `w - 1` inputs; → (out, new cache).
+
+    A row's real tokens come first, padding (position -1) after them. A row whose first position
+    is 0 starts afresh (its cached inputs read as the zeros before a sequence); an all-padding
+    row keeps its cache.
+    """
+    keep = w_wf.shape[0] - 1
+    ext_btf = jnp.concatenate([conv_bwf.astype(x_btf.dtype), x_btf], axis=1)
+    cached_run_b = jnp.where(positions_bt[:, 0] != 0, 0, -1)
+    ext_run_bt = jnp.concatenate(
+        [
+            jnp.broadcast_to(cached_run_b[:, None], (x_btf.shape[0], keep)),
+            jnp.where(positions_bt >= 0, 0, 1),
+        ],
+        axis=1,
+    )
+    out_btf = causal_conv(ext_btf, w_wf, ext_run_bt)[:, keep:]
+    live_btf = jnp.where((ext_run_bt == 0)[..., None], ext_btf, 0)
+    real_b = jnp.sum(positions_bt >= 0, axis=1)
+    new_bwf = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, keep, axis=0))(
+        live_btf, real_b
+    )
+    return out_btf, new_bwf
