@@ -29,7 +29,7 @@ from harnessrl.cli import (
 )
 from harnessrl.data.pipeline import DataConfig
 from harnessrl.learner.config import LearnerConfig
-from harnessrl.learner.mesh import SLICE_KEYS, load_slice_config, recipe_path
+from harnessrl.learner.mesh import SLICE_KEYS, load_slice_config, recipe_path, split_error
 from harnessrl.rollout.coding import CodingConfig, is_coding
 from harnessrl.rollout.k8s import KubernetesLauncherConfig
 from harnessrl.rollout.local import LocalLauncherConfig
@@ -232,6 +232,13 @@ SMOKE_CODING: dict[str, Any] = {
     "data.buckets": ((2, 1024),),  # longer sequences are split
 }
 
+# `rollout.launcher=kubernetes`, beneath the rest: a cluster run trains until run.steps, not for
+# the embedded CPU run's 13 minutes and 15 steps.
+CLUSTER: dict[str, Any] = {
+    "run.steps": 1000,
+    "run.max_minutes": 0.0,
+}
+
 # Bare keys that set several fields at once.
 ALIASES: dict[str, tuple[str, ...]] = {"seed": ("run.seed", "serve.seed")}
 
@@ -342,13 +349,24 @@ def _load(pairs: Pairs, smoke: bool) -> TrainConfig:
     mesh = values.get("learner.mesh") or (SMOKE["learner.mesh"] if smoke else "")
     preset = recipe_settings(mesh) if recipe_path(mesh) else []
     coding = is_coding(str(values.get("rollout.tasks", defaults.rollout.tasks)))
+    cluster = values.get("rollout.launcher", defaults.rollout.launcher) == "kubernetes"
     presets = [
+        *(CLUSTER.items() if cluster else []),
         *(SMOKE.items() if smoke else []),
         *(CODING.items() if coding else []),
         *(SMOKE_CODING.items() if smoke and coding else []),
     ]
     below = typed(TrainConfig, [*presets, *preset])
-    return build(defaults, {**below, **values})
+    cfg: TrainConfig = build(defaults, {**below, **values})
+    if preset:  # the rows of each micro-batch must split over the slice, or the first update fails
+        error = split_error(cfg.data.buckets, load_slice_config(mesh, check_devices=False))
+        if error:
+            raise ConfigError(
+                f"data.buckets={[list(b) for b in cfg.data.buckets]} does not fit "
+                f"learner.mesh={mesh}: {error}; set data.buckets to such rows, or leave it unset "
+                f"to take the recipe's {[list(b) for b in below['data.buckets']]}"
+            )
+    return cfg
 
 
 def parse_args(argv: Sequence[str], prog: str, doc: str) -> TrainConfig:

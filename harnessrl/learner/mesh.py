@@ -185,17 +185,29 @@ def load_slice_config(name_or_path: str, check_devices: bool = True) -> SliceCon
             f"slice config {path}: buckets must be [[rows, bucket_len], ...]: {buckets}"
         )
     cfg = SliceConfig(name=path.stem, **values)
-    if cfg.num_devices > 0:
-        sizes = resolve_mesh_sizes(mesh, cfg.num_devices, source=str(path))
-        batch_shards = sizes["data"] * sizes["fsdp"]
-        bad = [b for b in buckets if b[0] % batch_shards]
-        if bad:
-            raise ValueError(
-                f"slice config {path}: bucket rows must be multiples of data*fsdp={batch_shards}: {bad}"
-            )
+    error = split_error(cfg.buckets, cfg)
+    if error:
+        raise ValueError(f"slice config {path}: {error}")
     if check_devices:
         validate_slice(cfg, jax.devices())
     return cfg
+
+
+def split_error(buckets: Sequence[Sequence[int]], cfg: SliceConfig) -> str | None:
+    """Why some micro-batch rows cannot be split over the recipe's (data, fsdp) batch shards and
+    its processes (one per host, each feeding its own block of rows); None when all can."""
+    if cfg.num_devices <= 0:  # whatever the host shows: one process, checked when the mesh is made
+        return None
+    sizes = resolve_mesh_sizes(cfg.mesh, cfg.num_devices, source=cfg.name)
+    shards = sizes["data"] * sizes["fsdp"]
+    step = math.lcm(shards, cfg.hosts)
+    bad = [list(b) for b in buckets if b[0] % step]
+    if not bad:
+        return None
+    return (
+        f"bucket rows must be multiples of data*fsdp={shards} and of its {cfg.hosts} "
+        f"process(es), i.e. of {step}: {bad}"
+    )
 
 
 def validate_slice(cfg: SliceConfig, devices: Sequence[jax.Device]) -> dict[str, int]:
