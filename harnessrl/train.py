@@ -194,7 +194,7 @@ def setup(cfg: TrainConfig, started: float) -> Run:
     )  # fmt: skip
     if cfg.run.view:
         try:
-            run.viewer = start_view(cfg, store_url, out)
+            run.viewer = start_view(cfg, store_url, out, tokenizer)
         except BaseException:
             teardown(run)  # nothing may outlive a failed start
             raise
@@ -202,12 +202,14 @@ def setup(cfg: TrainConfig, started: float) -> Run:
     return run
 
 
-def start_view(cfg: TrainConfig, store_url: str, out: Path) -> Any:
-    """The trace viewer on 127.0.0.1 (run.view_port), reading the run's store and out_dir."""
+def start_view(cfg: TrainConfig, store_url: str, out: Path, tokenizer: Any) -> Any:
+    """The trace viewer on 127.0.0.1 (run.view_port), reading the run's store and out_dir; it
+    shows token text with the policy's own tokenizer."""
     from harnessrl.view.config import ViewConfig
     from harnessrl.view.serve import start_viewer
 
-    return start_viewer(ViewConfig(store=store_url, runs=str(out), port=cfg.run.view_port))
+    view = ViewConfig(store=store_url, runs=str(out), port=cfg.run.view_port)
+    return start_viewer(view, tokenizer)
 
 
 def make_evaluator(cfg: TrainConfig, coding: Coding) -> Evaluate:

@@ -34,6 +34,7 @@ from harnessrl.view.config import ViewConfig
 from harnessrl.view.queries import Filters, TraceReader, UnknownCall, UnknownGroup, step_of
 from harnessrl.view.sequences import HEAT_CLASSES, merged_view
 from harnessrl.view.svg import charts
+from harnessrl.view.tokens import Decode, cached_decode, decoder_for
 from proxy_sidecar.types import Receive, Scope, Send
 
 HERE = Path(__file__).parent
@@ -152,10 +153,13 @@ def _env() -> jinja2.Environment:
 class Pages:
     """The page handlers over one reader; each renders one template."""
 
-    def __init__(self, cfg: ViewConfig, reader: TraceReader) -> None:
+    def __init__(
+        self, cfg: ViewConfig, reader: TraceReader, decode: Decode | None, note: str
+    ) -> None:
         self.cfg, self.reader = cfg, reader
         self.env = _env()
         self.data = data_config(cfg.runs)
+        self.decode, self.token_note = decode, note
 
     def render(self, name: str, code: int = 200, **values: Any) -> HTMLResponse:
         body = self.env.get_template(name).render(**values)
@@ -198,9 +202,14 @@ class Pages:
         calls = self.reader.calls(rid)
         rollout = self.reader.rollout(rid)
         group = [row.rollout for row in self.reader.group(rollout.group_id)]
-        merged = merged_view(rollout, calls, group, self.data)
+        merged = merged_view(rollout, calls, group, self.data, self.decode)
         return self.render(
-            "sequences.html", rollout=rollout, merged=merged, heat=range(HEAT_CLASSES)
+            "sequences.html",
+            rollout=rollout,
+            merged=merged,
+            heat=range(HEAT_CLASSES),
+            text=self.decode is not None,
+            note=self.token_note,
         )
 
     def group(self, request: Request) -> Response:
@@ -323,10 +332,16 @@ class Gate:
         return hmac.compare_digest(candidate.encode(), self.token)
 
 
-def build_app(cfg: ViewConfig, reader: TraceReader | None = None) -> Any:
-    """The viewer's ASGI app (the store is opened read-only here unless `reader` is given)."""
+def build_app(cfg: ViewConfig, reader: TraceReader | None = None, tokenizer: Any = None) -> Any:
+    """The viewer's ASGI app: the store is opened read-only here unless `reader` is given, and
+    `cfg.tokenizer` is loaded unless a loaded `tokenizer` is given (the train loop's own)."""
+    if tokenizer is not None:
+        decode: Decode | None = cached_decode(tokenizer)
+        note = "token text (the run's tokenizer)"
+    else:
+        decode, note = decoder_for(cfg.tokenizer, cfg.runs)
     reader = reader or open_reader(cfg)
-    pages = Pages(cfg, reader)
+    pages = Pages(cfg, reader, decode, note)
     routes = [
         Route("/", pages.rollouts),
         Route("/rollouts/{rollout_id}", pages.rollout),

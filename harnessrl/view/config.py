@@ -20,6 +20,9 @@ class ViewConfig:
     port: int = 8765  # 0 picks a free one
     # Bearer token for every page (or ?token= once, kept in a cookie); needed off loopback
     token: str = field(default="", repr=False)
+    # Token text in the sequence view: run = the run's serve.model (from --runs), or a model
+    # spec (smollm2, tiny, a .gguf file, an HF folder); none = token ids only
+    tokenizer: str = "run"
     page_size: int = 50  # rollouts per page of the list
     max_header_bytes: int = 64 << 10  # request line + headers; larger gets 431
     read_timeout_s: float = 30.0  # deadline of a request's headers

@@ -65,12 +65,14 @@ def heat_class(logprobs: np.ndarray) -> np.ndarray:
 def tokens_html(seq: MergedSequence, decode: Callable[[int], str] | None = None) -> Markup:
     """Context tokens as runs of class `c`, each sampled token as class `s` with its heat class.
 
-    Ids are ints; decoded text is escaped, so token text can never become markup.
+    Without `decode` the ids are shown, space-separated; with it, the token texts run together
+    (the page keeps their whitespace). Ids are ints and text is escaped: never markup.
     """
     ids = seq.tokens.tolist()
     mask = seq.loss_mask.tolist()
     heat = heat_class(seq.logprobs).tolist()
     lps = seq.logprobs.tolist()
+    sep = " " if decode is None else ""
 
     def shown(i: int) -> str:
         return str(ids[i]) if decode is None else html.escape(decode(ids[i]))
@@ -82,14 +84,13 @@ def tokens_html(seq: MergedSequence, decode: Callable[[int], str] | None = None)
             run.append(shown(i))
             continue
         if run:
-            parts.append(f'<span class="c">{" ".join(run)}</span>')
+            parts.append(f'<span class="c">{sep.join(run)}</span>')
             run = []
-        parts.append(
-            f'<span class="s h{heat[i]}" title="id {ids[i]} lp {lps[i]:.3f}">{shown(i)}</span>'
-        )
+        tip = f"id {ids[i]} lp {lps[i]:.3f}"
+        parts.append(f'<span class="s h{heat[i]}" title="{tip}">{shown(i)}</span>')
     if run:
-        parts.append(f'<span class="c">{" ".join(run)}</span>')
-    return Markup(" ".join(parts))
+        parts.append(f'<span class="c">{sep.join(run)}</span>')
+    return Markup(sep.join(parts))
 
 
 def merged_view(

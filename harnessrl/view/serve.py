@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 import uvicorn
@@ -18,9 +19,9 @@ from harnessrl.view.app import build_app
 from harnessrl.view.config import ViewConfig
 
 
-def make_server(cfg: ViewConfig) -> uvicorn.Server:
+def make_server(cfg: ViewConfig, tokenizer: Any = None) -> uvicorn.Server:
     """The viewer's server, not yet running; the store is opened (read-only) now."""
-    app = build_app(cfg)
+    app = build_app(cfg, tokenizer=tokenizer)
     listener = server_config(
         app, host=cfg.host, port=cfg.port, limits=cfg.limits, log_level=cfg.log_level
     )
@@ -46,9 +47,10 @@ class ViewerHandle:
         self.thread.join(timeout=30)
 
 
-def start_viewer(cfg: ViewConfig, startup_s: float = 30.0) -> ViewerHandle:
-    """Serve on a daemon thread; returns once it accepts connections (port 0: a free one)."""
-    server = make_server(cfg)
+def start_viewer(cfg: ViewConfig, tokenizer: Any = None, startup_s: float = 30.0) -> ViewerHandle:
+    """Serve on a daemon thread; returns once it accepts connections (port 0: a free one).
+    `tokenizer` (the train loop's) shows token text without loading another."""
+    server = make_server(cfg, tokenizer)
     thread = threading.Thread(target=server.run, name="harnessrl-view", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_s

@@ -106,7 +106,8 @@ def line_chart(title: str, series: Sequence[Series]) -> Chart:
             f'<line x1="{LEFT}" x2="{LEFT + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e3e3e3"/>'
         )
         out.append(f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
-    for t in _ticks(x0, x1):
+    steps = x1 - x0 <= 10 and all(x == int(x) for x in xs)  # a short run: every step
+    for t in [float(v) for v in range(int(x0), int(x1) + 1)] if steps else _ticks(x0, x1):
         x = px(t)
         out.append(f'<text x="{x:.1f}" y="{TOP + ph + 16}" text-anchor="middle">{_fmt(t)}</text>')
     out.append(f'<text x="{LEFT + pw / 2}" y="{HEIGHT - 3}" text-anchor="middle">step</text>')

@@ -180,7 +180,7 @@ def test_a_200_call_64k_token_rollout_renders_in_under_a_second(tmp_path: Path) 
     timings = {}
     for path in ("/rollouts/long", "/rollouts/long/sequences"):
         best = float("inf")
-        for _ in range(3):  # the best of three: a shared CPU's hiccups are not the viewer's
+        for _ in range(5):  # the best of five: a busy CPU's hiccups are not the viewer's
             t0 = time.perf_counter()
             reply = client.get(path)
             best = min(best, time.perf_counter() - t0)
@@ -239,3 +239,30 @@ def test_curves_and_data_config_from_the_run_folder(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "reward": 0.5}\n{"tor')
     assert client.get("/curves").text.count("<svg") == 6
     assert "--runs OUT_DIR" in _client(f"sqlite:///{tmp_path / 'traces.db'}").get("/curves").text
+
+
+def test_token_text_comes_from_the_runs_tokenizer_escaped(tmp_path: Path) -> None:
+    from harnessrl.view.tokens import decoder_for, load_tokenizer, tokenizer_spec
+
+    tokenizer = load_tokenizer("tiny")
+    evil = tokenizer.encode("<script>window.__pwned = 1</script>")
+    url = f"sqlite:///{tmp_path / 'traces.db'}"
+    with open_store(url) as store:
+        store.create_rollout(RolloutRecord("r", "t", "g"))
+        store.add_calls([call("r", [1, *evil], evil, [{"role": "user", "content": "x"}], "y")])
+    (tmp_path / "config.json").write_text('{"serve": {"model": "tiny"}}')
+    assert tokenizer_spec("run", str(tmp_path)) == "tiny"
+    assert tokenizer_spec("run", "") == "" and tokenizer_spec("none", str(tmp_path)) == ""
+    page = _client(url, runs=str(tmp_path)).get("/rollouts/r/sequences").text
+    assert "token text (tiny tokenizer)" in page and 'class="seq text"' in page
+    assert "<script>window" not in page
+    assert '<span class="c">&lt;script&gt;window' in page.replace("&lt;|im_start|&gt;", "")
+    assert (
+        "token ids (no tokenizer)"
+        in _client(url, tokenizer="none").get("/rollouts/r/sequences").text
+    )
+    with pytest.raises(ValueError, match="--tokenizer nowhere: tokenizer 'nowhere' is neither"):
+        decoder_for("nowhere", "")
+    (tmp_path / "config.json").write_text('{"serve": {"model": "/no/such/model"}}')
+    decode, note = decoder_for("run", str(tmp_path))  # the run's own: ids, and the page says why
+    assert decode is None and "could not be read" in note
