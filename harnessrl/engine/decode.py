@@ -24,6 +24,7 @@ from harnessrl.engine.sampler import SamplingParams
 from harnessrl.engine.steps import DeviceSteps, EngineConfig
 from harnessrl.engine.swap import ParamSwap
 from harnessrl.model.decoder import Decoder
+from harnessrl.model.qwen3_5 import Qwen35Decoder
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def _deliver(sink: Sink, events: list[TokenEvent]) -> None:
 class Engine:
     """Continuous-batching decoder over `num_slots` KV-cache rows, run on a background thread."""
 
-    def __init__(self, model: Decoder, eos_token_ids: Any, config: EngineConfig) -> None:
+    def __init__(
+        self, model: Decoder | Qwen35Decoder, eos_token_ids: Any, config: EngineConfig
+    ) -> None:
         self.config = config
         self.model_config = model.cfg
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -306,7 +309,11 @@ class Engine:
 
     def _prefill_seq(self, seq: _Seq) -> Any:
         request = seq.request
-        if request.prompt_logits is not None and request.source_slot >= 0:
+        if (
+            request.prompt_logits is not None
+            and request.source_slot >= 0
+            and self.steps.copies_prompts
+        ):
             self.steps.copy_slot(request.source_slot, seq.slot)
             seq.prefilled = len(request.prompt)
         else:

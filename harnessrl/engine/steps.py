@@ -17,8 +17,11 @@ from flax import nnx
 
 from harnessrl.engine.sampler import SamplingParams, sample_tokens
 from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.qwen3_5.cache import HybridCache
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
+Cache = Any  # KVCache, or HybridCache for the Qwen3.5 family
 
 
 class EngineConfig(Protocol):
@@ -43,7 +46,7 @@ class EngineConfig(Protocol):
 class DeviceSteps:
     """The serving model's params + KV cache and the four compiled programs that touch them."""
 
-    def __init__(self, model: Decoder, config: EngineConfig) -> None:
+    def __init__(self, model: Decoder | Qwen35Decoder, config: EngineConfig) -> None:
         cfg = model.cfg
         self.config = config
         self.vocab_size = cfg.vocab_size
@@ -56,6 +59,10 @@ class DeviceSteps:
         device = jax.tree.leaves(self.state)[0].sharding
         self._device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
         self._model_config = cfg
+        self._cache_type = HybridCache if isinstance(cfg, Qwen35Config) else KVCache
+        # A recurrent state holds its slot's latest token, not the prompt's end: a sibling
+        # choice copied from it later would start mid-answer, so each choice prefills instead.
+        self.copies_prompts = self._cache_type is KVCache
         self.cache = self._new_cache()
         self.traces = 0
         self._decode = jax.jit(
@@ -67,9 +74,11 @@ class DeviceSteps:
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
 
-    def _new_cache(self) -> KVCache:
-        cache = KVCache.create(
-            self._model_config, slots=self.config.num_slots, max_len=self.config.max_model_len
+    def _new_cache(self) -> KVCache | HybridCache:
+        cache = self._cache_type.create(
+            self._model_config,  # type: ignore[arg-type]  # the cache type follows the config
+            slots=self.config.num_slots,
+            max_len=self.config.max_model_len,
         )
         return jax.device_put(cache, self._device)
 
@@ -119,7 +128,7 @@ class DeviceSteps:
         self,
         length: int,
         state: nnx.State,
-        cache: KVCache,
+        cache: Cache,
         tokens_s: jax.Array,
         positions_s: jax.Array,
         sampling: tuple[jax.Array, ...],
@@ -136,12 +145,12 @@ class DeviceSteps:
         self,
         length: int,
         state: nnx.State,
-        cache: KVCache,
+        cache: Cache,
         slot: jax.Array,
         tokens_c: jax.Array,
         positions_c: jax.Array,
         last: jax.Array,
-    ) -> tuple[KVCache, jax.Array]:
+    ) -> tuple[Cache, jax.Array]:
         # One slot's row only, so a chunk costs its own tokens; logits only for the last one.
         model = nnx.merge(self.graphdef, state, self._rest)
         logits_11v, cache = model.decode(
@@ -149,12 +158,12 @@ class DeviceSteps:
         )
         return cache, logits_11v[0, 0]
 
-    def _copy_fn(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-        def copy(x_lbske: jax.Array) -> jax.Array:
-            row = jax.lax.dynamic_slice_in_dim(x_lbske, src, 1, axis=1)
-            return jax.lax.dynamic_update_slice_in_dim(x_lbske, row, dst, axis=1)
+    def _copy_fn(self, cache: Cache, src: jax.Array, dst: jax.Array) -> Cache:
+        def copy(x_lb: jax.Array) -> jax.Array:  # every cache array has its slots on axis 1
+            row = jax.lax.dynamic_slice_in_dim(x_lb, src, 1, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(x_lb, row, dst, axis=1)
 
-        return KVCache(k_lbske=copy(cache.k_lbske), v_lbske=copy(cache.v_lbske))
+        return jax.tree.map(copy, cache)
 
     def _first_fn(
         self, logits_v: jax.Array, sampling: tuple[jax.Array, ...]
