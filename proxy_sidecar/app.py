@@ -23,6 +23,7 @@ from proxy_sidecar import __version__
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
 from proxy_sidecar.dialects.endpoint import TokenIn, dialect_routes
+from proxy_sidecar.dialects.models import ModelList
 from proxy_sidecar.errors import SidecarError, send_error
 from proxy_sidecar.metrics import Metrics
 from proxy_sidecar.proxy import read_failure, response_headers, rollout_of, upstream_headers
@@ -100,7 +101,7 @@ def routes(state: SidecarState, tokenin: TokenIn | None = None) -> list[Route]:
                 ProxyEndpoint(state, comp, "/v1/completions"),
                 methods=["POST"],
             ),
-            Route(f"{prefix}/models", Passthrough(state, "/v1/models"), methods=["GET"]),
+            Route(f"{prefix}/models", ModelList(Passthrough(state, "/v1/models")), methods=["GET"]),
             *dialect_routes(state, tokenin, prefix),
         ]
     out += [

@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from harnessrl.model.tokenizer import ChatTokenizer
 from harnessrl.traces.schema import CallRecord
 from harnessrl.traces.sqlite import SQLiteTraceStore
+from proxy_sidecar.dialects.models import anthropic_list
 from proxy_sidecar.dialects.tokens import load_tokenizer
+from proxy_sidecar.errors import NoUpstream
 
 ROUTES = {"responses": "/v1/responses", "messages": "/v1/messages"}
 GOOD = {
@@ -368,3 +370,18 @@ def test_a_client_that_leaves_mid_stream_is_recorded(
         time.sleep(0.1)
     (call,) = tokenin.store.calls("gone")
     assert call.error == "client disconnected"
+
+
+def test_model_lists_answer_in_each_clients_shape(
+    sidecar: Any, make_sidecar: Callable[..., Any]
+) -> None:
+    ant = anthropic.Anthropic(base_url=f"{sidecar.url}/rollouts/m", api_key="k", max_retries=0)
+    (model,) = list(ant.models.list())
+    assert model.id == "smol" and model.type == "model"
+    oai = openai.OpenAI(base_url=sidecar.base("m"), api_key="k", max_retries=0)
+    assert [m.id for m in oai.models.list()] == ["smol"]  # the upstream's own list, unchanged
+    dead = make_sidecar((f"http://127.0.0.1:{free_port()}",), retries=0)
+    resp = httpx.get(dead.url + "/v1/models", headers={"anthropic-version": "2023-06-01"})
+    assert "no upstream answered" in assert_shape("messages", resp, 502)
+    with pytest.raises(NoUpstream):
+        anthropic_list({"data": [{"name": "no id"}]})
