@@ -14,6 +14,7 @@ from typing import Any
 from harnessrl.view.queries import CallView
 
 MAX_TEXT = 20_000  # characters of one message shown inline; the full prompt is on demand
+MAX_TURNS = 40  # new messages of one call shown inline (a harness that rewrites its history)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class CallPage:
     view: CallView
     turns: list[Turn]  # the prompt's messages new since the previous call (all for the first)
     earlier: int  # leading messages repeated from the previous call, not shown
+    hidden: int  # new messages past MAX_TURNS, not shown (the latest ones are)
     completions: list[Completion]
 
 
@@ -79,7 +81,8 @@ def turn_of(message: Any, limit: int = MAX_TEXT) -> Turn:
     parts = [_text(message.get("content"))]
     for key in ("tool_calls", "function_call", "reasoning_content"):
         if message.get(key):
-            parts.append(f"{key}: {_text(message[key])}")
+            value = message[key]
+            parts.append(f"{key}: {value if isinstance(value, str) else _json(value)}")
     text, cut = _bounded("\n".join(p for p in parts if p), limit)
     return Turn(str(message.get("role", message.get("type", "?"))), text, cut)
 
@@ -109,8 +112,9 @@ def call_pages(views: Sequence[CallView]) -> list[CallPage]:
             if a != b:
                 break
             same += 1
-        pages.append(
-            CallPage(view, [turn_of(m) for m in messages[same:]], same, completions_of(view))
-        )
+        new = messages[same:]
+        hidden = max(0, len(new) - MAX_TURNS)
+        turns = [turn_of(m) for m in new[hidden:]]
+        pages.append(CallPage(view, turns, same, hidden, completions_of(view)))
         previous = messages
     return pages

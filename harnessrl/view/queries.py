@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harnessrl.traces import rows
-from harnessrl.traces.schema import CallRecord, RolloutRecord, RolloutState, UnknownRollout
+from harnessrl.traces.schema import CallRecord, RolloutRecord, UnknownRollout
 from harnessrl.traces.sql import SQLStoreBase
 
 # Group ids of the train loop: `s{k}-…` holds the runs of train step k+1, `e{k}-…` the eval
@@ -207,9 +207,6 @@ class TraceReader:
         if not records:
             raise UnknownGroup(group_id)
         return self._with_aggregates(records)
-
-    def states(self) -> list[str]:
-        return [s.value for s in RolloutState]
 
 
 class UnknownCall(KeyError):

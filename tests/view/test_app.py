@@ -83,6 +83,19 @@ def test_query_parameters_are_validated(store_url: str) -> None:
     assert client.get("/?step=&task=").status_code == 200  # empty fields of the form: no filter
 
 
+def test_a_harness_that_rewrites_its_history_shows_the_latest_messages(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'traces.db'}"
+    with open_store(url) as store:
+        store.create_rollout(RolloutRecord("r", "t", "g"))
+        for k in range(2):
+            msgs = [{"role": "user", "content": f"turn {k}-{i}"} for i in range(100)]
+            store.add_calls([call("r", [1, 2], [3], msgs, "a")])
+    page = _client(url).get("/rollouts/r").text
+    assert "60 more new messages before these" in page  # call 0: its last 40 are shown
+    assert "turn 0-99" in page and "turn 0-59" not in page and "turn 0-60" in page
+    assert page.count("more new messages") == 2  # call 1 repeats nothing of call 0
+
+
 def test_unknown_ids_get_404_pages(store_url: str) -> None:
     client = _client(store_url)
     for path, says in [
@@ -198,8 +211,10 @@ def test_a_200_call_64k_token_rollout_renders_in_under_a_second(tmp_path: Path) 
 def test_postgres_store(pg_dsn: str) -> None:
     with open_store(pg_dsn) as store:
         planted_break(store, "planted")
+        store.create_rollout(RolloutRecord("s0-x-g0-r0", "t", "s0-x-g0"))
     client = _client(pg_dsn)
     assert "planted" in client.get("/").text
+    assert "1 rollouts" in client.get("/?step=1&task=t&state=queued").text
     assert "history_rewritten" in client.get("/rollouts/planted/sequences").text
     assert client.get("/rollouts/planted/calls/1/tokens").status_code == 200
 
@@ -266,3 +281,26 @@ def test_token_text_comes_from_the_runs_tokenizer_escaped(tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text('{"serve": {"model": "/no/such/model"}}')
     decode, note = decoder_for("run", str(tmp_path))  # the run's own: ids, and the page says why
     assert decode is None and "could not be read" in note
+
+
+def test_prompts_of_every_endpoint_read_as_turns() -> None:
+    from harnessrl.view.calls import prompt_messages, turn_of
+
+    assert prompt_messages({"prompt": "2+2="}) == [{"role": "prompt", "content": "2+2="}]
+    assert prompt_messages({"input": "hi"}) == [{"role": "user", "content": "hi"}]
+    assert prompt_messages({"input": [{"type": "message", "content": "x"}]})[0]["content"] == "x"
+    assert prompt_messages({}) == []
+    tool = turn_of({"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]})
+    assert tool.role == "assistant" and 'tool_calls: [{"id": "c1"}]' in tool.text
+    parts = turn_of({"role": "user", "content": [{"type": "text", "text": "a"}, {"image": 1}]})
+    assert parts.text == 'a\n{"image": 1}'
+    long = turn_of({"role": "user", "content": "z" * 25_000})
+    assert len(long.text) == 20_000 and long.cut == 5_000
+    assert turn_of("bare").role == "?"
+
+
+def test_an_unreachable_database_is_a_clear_message() -> None:
+    from harnessrl.view.app import open_reader
+
+    with pytest.raises(ValueError, match="cannot open the trace store 'postgresql://nobody@"):
+        open_reader(ViewConfig(store="postgresql://nobody@127.0.0.1:1/traces"))
