@@ -71,18 +71,20 @@ class TokenIn:
     async def load(self, spec: str) -> None:
         self.renderer = Renderer(await asyncio.to_thread(load_tokenizer, spec))
 
-    def prompt(self, rollout_id: str, conv: Conversation) -> Prompt:
-        if self.renderer is None:
+    async def prompt(self, rollout_id: str, conv: Conversation) -> Prompt:
+        """The token-id prompt; rendered on a thread, as a long conversation takes milliseconds."""
+        renderer = self.renderer
+        if renderer is None:
             raise NotFound(
                 "token-in mode is off: start the sidecar with --tokenizer (the model spec the "
                 "server loads, e.g. smollm2 or an HF folder) to serve this route"
             )
-        sampled = [
+        sampled = [  # looked up here: the ledger is only ever touched on the event loop
             self.ledger.find(rollout_id, m) if m.get("role") == "assistant" else None
             for m in conv.messages
         ]
         try:
-            return self.renderer.render(conv.messages, conv.tools, sampled)
+            return await asyncio.to_thread(renderer.render, conv.messages, conv.tools, sampled)
         except Exception as err:  # the template is code run on client data: its failure is a 400
             raise BadRequest(f"the chat template cannot render this conversation: {err}") from err
 
@@ -136,7 +138,7 @@ class DialectEndpoint:
                 del raw
                 rollout_id = rollout_of(scope, state.config.default_rollout)
                 conv = self.dialect.parse(request)
-                prompt = self.tokenin.prompt(rollout_id, conv)
+                prompt = await self.tokenin.prompt(rollout_id, conv)
                 await state.enter()
             except SidecarError as err:
                 await self._error(send, err)
