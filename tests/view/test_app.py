@@ -190,16 +190,19 @@ def test_a_200_call_64k_token_rollout_renders_in_under_a_second(tmp_path: Path) 
     with open_store(url) as store:
         long_rollout(store, "long", calls=200, tokens=64_000)
     client = _client(url)
-    timings = {}
+    timings, walls = {}, {}
     for path in ("/rollouts/long", "/rollouts/long/sequences"):
-        best = float("inf")
-        for _ in range(5):  # the best of five: a busy CPU's hiccups are not the viewer's
-            t0 = time.perf_counter()
+        # CPU seconds of this process (the app runs in it): what a render costs on an idle
+        # core, however many other jobs share the machine; the best of three.
+        best, wall = float("inf"), float("inf")
+        for _ in range(3):
+            c0, t0 = time.process_time(), time.perf_counter()
             reply = client.get(path)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.process_time() - c0)
+            wall = min(wall, time.perf_counter() - t0)
             assert reply.status_code == 200
-        timings[path] = best
-    print(f"render seconds: {timings}")
+        timings[path], walls[path] = best, wall
+    print(f"render CPU seconds: {timings}, wall seconds: {walls}")
     seq = client.get("/rollouts/long/sequences").text
     assert "64000 tokens · 32000 trained" in seq
     assert seq.count('title="id ') == 32_000
