@@ -15,6 +15,7 @@ from harnessrl.learner.mesh import load_slice_config, split_error
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 STORE = "rollout.store=postgresql://harnessrl@postgres/traces"
+IMAGE = "rollout.kubernetes.image=registry.example.com/harnessrl:1"  # as the learner pods pass it
 
 
 def train_yaml(tmp_path: Path) -> Path:
@@ -33,12 +34,21 @@ def learner_args(overlay_file: str) -> list[str]:
     return [a for a in container["args"] if not a.startswith("rollout.store=")]
 
 
+def kubelet_args(overlay_file: str, config: Path) -> list[str]:
+    """The learner's argv as Kubernetes hands it over: $(VAR) expanded, the ConfigMap mounted."""
+    return [
+        a.replace("$(HARNESSRL_IMAGE)", "registry.example.com/harnessrl:1").replace(
+            "/etc/harnessrl/train.yaml", str(config)
+        )
+        for a in learner_args(overlay_file)
+    ]
+
+
 @pytest.mark.parametrize("overlay_file", ["gke-tpu/learner-jobset.yaml", "gpu/learner-job.yaml"])
 def test_each_learner_takes_its_recipe_whole_and_rows_split(
     overlay_file: str, tmp_path: Path
 ) -> None:
-    args = learner_args(overlay_file)
-    cfg = load_config(train_yaml(tmp_path), [*args, STORE])
+    cfg = load_config(None, [*kubelet_args(overlay_file, train_yaml(tmp_path)), STORE])
     recipe = load_slice_config(cfg.learner.mesh, check_devices=False)
     assert cfg.data.buckets == recipe.buckets
     assert cfg.data.step_token_budget == recipe.max_step_tokens
@@ -52,18 +62,20 @@ def test_each_learner_takes_its_recipe_whole_and_rows_split(
 def test_rows_that_cannot_split_are_refused_at_load(tmp_path: Path) -> None:
     f = train_yaml(tmp_path)
     with pytest.raises(ValueError) as err:
-        load_config(f, ["learner.mesh=v5e-32", STORE, "data.buckets=[[4,2048]]"])
+        load_config(f, ["learner.mesh=v5e-32", STORE, IMAGE, "data.buckets=[[4,2048]]"])
     message = str(err.value)
     assert "data.buckets=[[4, 2048]]" in message and "learner.mesh=v5e-32" in message
     assert "multiples of data*fsdp=32 and of its 8 process(es)" in message
     assert "[[32, 8192], [64, 4096], [128, 2048]]" in message  # what to change it to
-    cfg = load_config(f, ["learner.mesh=v5e-32", STORE, "data.buckets=[[64,2048]]"])
+    cfg = load_config(f, ["learner.mesh=v5e-32", STORE, IMAGE, "data.buckets=[[64,2048]]"])
     assert cfg.data.buckets == ((64, 2048),)
 
 
 def test_user_settings_and_smoke_still_win(tmp_path: Path) -> None:
     f = train_yaml(tmp_path)
-    cfg = load_config(f, ["learner.mesh=v5e-32", STORE, "run.steps=40", "run.max_minutes=90"])
+    cfg = load_config(
+        f, ["learner.mesh=v5e-32", STORE, IMAGE, "run.steps=40", "run.max_minutes=90"]
+    )
     assert (cfg.run.steps, cfg.run.max_minutes) == (40, 90.0)
     kube = ["rollout.launcher=kubernetes", STORE, "rollout.servers=http://v:1",
             "rollout.kubernetes.image=reg/harness:1"]  # fmt: skip

@@ -136,3 +136,71 @@ def test_the_loader_hands_the_share_to_the_image_user() -> None:
     copies = [i for i, ln in enumerate(lines) if "harnessrl/loader:/shared" in ln]
     assert chown and copies and chown[0] > max(copies), "chown after every copy into the share"
     assert "uid 10001" in GUIDES["gpu"].read_text()  # the GPU guide points at the same step
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["gke-tpu", "gke-tpu/services", "gpu", "controller"])
+def test_one_images_entry_names_every_harnessrl_image(overlay: str, tmp_path: Path) -> None:
+    """What the guides' `kustomize edit set image` in k8s/image does, by hand: every container,
+    the injected sidecar and the harness Jobs' sidecar and harness follow it."""
+    import shutil as sh
+
+    from harnessrl.config import load_config
+
+    copy = tmp_path / "k8s"
+    sh.copytree(K8S, copy)
+    component = copy / "image" / "kustomization.yaml"
+    doc = yaml.safe_load(component.read_text())
+    (entry,) = doc["images"]
+    assert entry["name"] == "ghcr.io/harnessrl/harnessrl"
+    entry.update(newName="registry.example.com/ml/harnessrl", newTag="7.7")
+    component.write_text(yaml.safe_dump(doc))
+    new = "registry.example.com/ml/harnessrl:7.7"
+    out = subprocess.run(["kubectl", "kustomize", str(copy / overlay)], capture_output=True,
+                         text=True, check=True, timeout=120).stdout  # fmt: skip
+    assert "ghcr.io/harnessrl" not in out
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    train_pods = 0
+    for d in docs:
+        for pod in pod_templates(d):
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                if "harnessrl" in c["image"]:
+                    assert c["image"] == new, (d["metadata"]["name"], c["image"])
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                if c.get("command", [])[:3] == ["python", "-m", "proxy_sidecar.webhook"]:
+                    assert env["HARNESSRL_IMAGE"] == new
+                    assert "--sidecar-image=$(HARNESSRL_IMAGE)" in c["args"]
+                if c.get("command", [])[:3] == ["python", "-m", "harnessrl.train"]:
+                    train_pods += 1
+                    (cm,) = [x for x in docs if x["kind"] == "ConfigMap"
+                             and x["metadata"]["name"] == "harnessrl-train"]  # fmt: skip
+                    f = tmp_path / "train.yaml"
+                    f.write_text(cm["data"]["train.yaml"])
+                    args = [a.replace("$(HARNESSRL_IMAGE)", env["HARNESSRL_IMAGE"])
+                            .replace("$(HARNESSRL_STORE_URL)", "postgresql://h@p/t")
+                            .replace("/etc/harnessrl/train.yaml", str(f)) for a in c["args"]]  # fmt: skip
+                    cfg = load_config(None, args)
+                    assert cfg.rollout.kubernetes.image == new
+                    assert cfg.rollout.kubernetes.sidecar.image == new
+                    # A harness image the ConfigMap names wins over the default.
+                    text = f.read_text()
+                    assert text.count("\n  kubernetes:\n") == 1
+                    f.write_text(text.replace(
+                        "\n  kubernetes:\n",
+                        "\n  kubernetes:\n    image: registry.example.com/agent:2\n"))  # fmt: skip
+                    mine = load_config(None, args).rollout.kubernetes
+                    assert (mine.image, mine.sidecar.image) == ("registry.example.com/agent:2", new)
+    assert train_pods == (0 if overlay.endswith("services") else 1)
+
+
+def test_the_guides_set_the_image_where_every_overlay_reads_it() -> None:
+    for guide in GUIDES.values():
+        lines = shell_lines(guide)
+        assert any(
+            ln.startswith("(cd k8s/image && kustomize edit set image ghcr.io/harnessrl/harnessrl=")
+            for ln in lines
+        ), guide.name
+    for overlay in ("base", "gke-tpu", "gke-tpu/services", "gpu", "gpu/services", "controller"):
+        doc = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
+        assert any(c.endswith("image") for c in doc.get("components", [])), overlay
+    assert "images" not in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())

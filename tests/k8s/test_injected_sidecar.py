@@ -202,6 +202,7 @@ def test_launcher_job_sidecar_rewrites_the_model(vllm: VllmLike, tmp_path: Path)
             f"rollout.kubernetes.sidecar.port={port}",
             # what the train Job passes from its Secret; the sidecar here writes to the test's store
             "rollout.store=postgresql://harnessrl@postgres/traces",
+            "rollout.kubernetes.image=registry.example.com/harnessrl:1",
         ],
     )
     sidecar_spec = pod_sidecar(cfg)

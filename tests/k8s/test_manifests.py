@@ -61,7 +61,8 @@ def test_each_manifest_file_validates_strictly(path: Path) -> None:
 
 def test_kustomizations_reference_existing_files() -> None:
     for kfile in K8S.rglob("kustomization.yaml"):
-        for res in yaml.safe_load(kfile.read_text())["resources"]:
+        doc = yaml.safe_load(kfile.read_text())
+        for res in [*doc.get("resources", []), *doc.get("components", [])]:
             assert (kfile.parent / res).exists(), f"{kfile}: missing resource {res}"
 
 
@@ -152,11 +153,15 @@ def recipe(name: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / "tpu_configs" / f"{name}.yaml").read_text())
 
 
+def mesh_arg(args: list[str]) -> str:
+    return next(a for a in args if a.startswith("learner.mesh=")).removeprefix("learner.mesh=")
+
+
 def test_learners_match_their_tpu_configs_recipes() -> None:
     (jobset,) = docs_of((K8S / "gke-tpu" / "learner-jobset.yaml").read_text())
     job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     pod = job["template"]["spec"]
-    mesh = pod["containers"][0]["args"][0].removeprefix("learner.mesh=")
+    mesh = mesh_arg(pod["containers"][0]["args"])
     r = recipe(mesh)
     assert job["parallelism"] == job["completions"] == r["hosts"]
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == str(r["chips_per_host"])
@@ -164,7 +169,7 @@ def test_learners_match_their_tpu_configs_recipes() -> None:
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == r["topology"]
     (gpu_job,) = docs_of((K8S / "gpu" / "learner-job.yaml").read_text())
     gpod = gpu_job["spec"]["template"]["spec"]
-    g = recipe(gpod["containers"][0]["args"][0].removeprefix("learner.mesh="))
+    g = recipe(mesh_arg(gpod["containers"][0]["args"]))
     assert gpod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(
         g["chips_per_host"]
     )
@@ -184,12 +189,19 @@ def test_train_config_map_loads_with_the_config_loader(tmp_path: Path) -> None:
         (train,) = _pod_specs(doc)[0]["containers"]
         # What Kubernetes hands the process: $(VAR) in args expanded from the container's env.
         dsn = "postgresql://harnessrl:secret@postgres.harnessrl.svc:5432/traces"
-        args = [a.replace("$(HARNESSRL_STORE_URL)", dsn) for a in train["args"]]
+        image = "registry.example.com/harnessrl:1"
+        args = [
+            a.replace("$(HARNESSRL_STORE_URL)", dsn)
+            .replace("$(HARNESSRL_IMAGE)", image)
+            .replace("/etc/harnessrl/train.yaml", str(f))
+            for a in train["args"]
+        ]
         env = {e["name"]: e.get("valueFrom", {}) for e in train["env"]}
         assert env["HARNESSRL_STORE_URL"]["secretKeyRef"]["name"] == "harnessrl-store"
         assert env["HARNESSRL_CONTROL_TOKEN"]["secretKeyRef"]["name"] == "harnessrl-control"
-        cfg = load_config(f, args)
+        cfg = load_config(None, args)
         assert cfg.rollout.launcher == "kubernetes" and cfg.rollout.store == dsn
+        assert cfg.rollout.kubernetes.image == cfg.rollout.kubernetes.sidecar.image == image
         assert cfg.rollout.servers and cfg.run.out_dir.startswith("/shared/")
 
 
