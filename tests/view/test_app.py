@@ -3,6 +3,7 @@ escaping of every page, pagination, PostgreSQL, and how fast a long rollout rend
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 import sqlite3
@@ -307,3 +308,22 @@ def test_an_unreachable_database_is_a_clear_message() -> None:
 
     with pytest.raises(ValueError, match="cannot open the trace store 'postgresql://nobody@"):
         open_reader(ViewConfig(store="postgresql://nobody@127.0.0.1:1/traces"))
+
+
+def test_failed_calls_show_their_error_and_dialect_calls_their_wire_format(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'traces.db'}"
+    with open_store(url) as store:
+        store.create_rollout(RolloutRecord("r", "t", "g"))
+        ok = call("r", [1, 2], [3], [{"role": "user", "content": "q"}], "a")
+        spoke = dataclasses.replace(ok, response={**(ok.response or {}), "dialect": "responses"})
+        failed = dataclasses.replace(ok, status=502, error="upstream HTTP 502: overloaded",
+                                     choices=(), response=None)  # fmt: skip
+        store.add_calls([spoke, failed])
+    page = _client(url).get("/rollouts/r").text
+    assert "responses · HTTP 200" in page
+    assert "chat · HTTP 502" in page and "upstream HTTP 502: overloaded" in page
+    assert 'class="call failed"' in page
+    listed = _client(url).get("/").text
+    assert "(1 failed)" in listed
+    merged = _client(url).get("/rollouts/r/sequences").text
+    assert "2 (1 failed, 0 retries dropped)" in merged
