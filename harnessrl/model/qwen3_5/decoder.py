@@ -252,15 +252,22 @@ class Qwen35Decoder(nnx.Module):
         if cfg.remat:
             linear, full = jax.checkpoint(linear), jax.checkpoint(full)
 
+        per_group = cfg.full_attention_interval - 1
+        # scan_unroll counts layers: the inner scan unrolls up to a group's DeltaNet layers, the
+        # outer one the groups that many layers span.
+        inner = max(1, min(cfg.scan_unroll, per_group))
+        outer = max(1, min(cfg.scan_unroll // cfg.full_attention_interval, cfg.num_groups))
+
         def group(x_btd: jax.Array, ws: tuple[Weights, Weights]) -> tuple[jax.Array, None]:
-            x_btd, _ = jax.lax.scan(linear, x_btd, ws[0])
+            x_btd, _ = jax.lax.scan(linear, x_btd, ws[0], unroll=inner)
             return full(x_btd, ws[1]), None
 
-        per_group = cfg.full_attention_interval - 1
         linear_w = jax.tree.map(
             lambda a: a.reshape(cfg.num_groups, per_group, *a.shape[1:]), self.linear.stacked()
         )
-        x_btd, _ = jax.lax.scan(group, self.embed(tokens_bt), (linear_w, self.full.stacked()))
+        x_btd, _ = jax.lax.scan(
+            group, self.embed(tokens_bt), (linear_w, self.full.stacked()), unroll=outer
+        )
         return self.logits(x_btd)
 
     def decode(

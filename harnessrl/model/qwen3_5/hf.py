@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from harnessrl.model.qwen3_5.config import Qwen35Config
+from harnessrl.model.qwen3_5.config import MODEL_TYPES, Qwen35Config
 
 Params = dict[str, Any]
+__all__ = ["MODEL_TYPES", "hf_from_params", "params_from_hf", "read_hf_folder"]
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
 
