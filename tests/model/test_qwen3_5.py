@@ -341,3 +341,20 @@ def test_decode_through_the_cache_equals_the_full_forward() -> None:
         positions = jnp.asarray([[*range(5), -1]], jnp.int32)
         logits, cache = one_slot(model, tokens, positions, cache, slot)
         assert_reordered_close(np.asarray(logits)[0, :5], want, cfg, LENGTH, scale)
+
+
+def test_load_model_and_policy_specs_build_the_family(tmp_path: Path) -> None:
+    from harnessrl.model.load import load_model, load_policy
+
+    model = random_model("hybrid")
+    loaded = load_model(export_hf(model, tmp_path / "export"))
+    assert isinstance(loaded.model, Qwen35Decoder)
+    for a, b in zip(
+        jax.tree.leaves(params_numpy(model)),
+        jax.tree.leaves(params_numpy(loaded.model)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    policy, tokenizer = load_policy("tiny-qwen3_5")
+    assert isinstance(policy, Qwen35Decoder)
+    assert policy.cfg.vocab_size == tokenizer.vocab_size and policy.cfg.tie_word_embeddings
