@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -91,31 +92,99 @@ def _definition_validator(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(ref, registry=registry)
 
 
-def run_locally(job: dict[str, Any], timeout_s: float = 300.0) -> tuple[int, str]:
-    """Play kubelet for the Job's harness container: its command, with `$(VAR)` expanded from the
-    container's env as Kubernetes does, runs as a local process; returns (exit code, stdout)."""
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container.get("env", [])}
-    argv = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a) for a in container["command"]]
-    proc = subprocess.run(
-        argv,
-        env={**os.environ, **env},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
+def run_locally(
+    job: dict[str, Any],
+    timeout_s: float = 300.0,
+    secrets: dict[str, dict[str, str]] | None = None,
+    pod_ip: str = "127.0.0.1",
+) -> tuple[int, str]:
+    """Play kubelet for the Job's pod: its native sidecars (init containers that restart Always)
+    start first and must open their probed port, then the harness container's command runs; each
+    as a local process, `$(VAR)` expanded from the container's env as Kubernetes does, env taken
+    from `secrets` and the pod's own fields. The pod's network is `pod_ip`: what binds 0.0.0.0 or
+    talks to 127.0.0.1 inside the pod uses that loopback address. Sidecars run only when
+    `secrets` is given. Returns (harness exit code, harness stdout and stderr)."""
+    pod = job["spec"]["template"]
+    inits = pod["spec"].get("initContainers", []) if secrets is not None else []
+    sidecars = [c for c in inits if c.get("restartPolicy") == "Always"]
+    procs = []
+    try:
+        for c in sidecars:
+            procs.append(_start_sidecar(c, pod, secrets or {}, pod_ip))
+        (container,) = pod["spec"]["containers"]
+        env, argv = _resolve(container, pod, secrets or {}, pod_ip)
+        proc = subprocess.run(
+            argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=timeout_s,
+        )  # fmt: skip
+        return proc.returncode, proc.stdout + proc.stderr
+    finally:
+        for sidecar in procs:
+            sidecar.terminate()
+            sidecar.wait(timeout=30)
+
+
+def _resolve(
+    container: dict[str, Any], pod: dict[str, Any], secrets: dict[str, dict[str, str]], pod_ip: str
+) -> tuple[dict[str, str], list[str]]:
+    fields = {"status.podIP": pod_ip, "metadata.name": pod["metadata"].get("name", "pod")}
+    fields |= {
+        f"metadata.annotations['{k}']": v
+        for k, v in (pod["metadata"].get("annotations") or {}).items()
+    }
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom") or {}
+        if "secretKeyRef" in ref:
+            env[e["name"]] = secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
+        elif "fieldRef" in ref:
+            env[e["name"]] = fields[ref["fieldRef"]["fieldPath"]]
+        else:  # inside the pod 127.0.0.1 is the pod's own address
+            env[e["name"]] = e["value"].replace("//127.0.0.1:", f"//{pod_ip}:")
+    argv = [
+        re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a).replace("0.0.0.0", pod_ip)
+        for a in [*container["command"], *container.get("args", [])]
+    ]
+    if argv[0] == "python":  # the image's interpreter: this one, with the same packages
+        argv[0] = sys.executable
+    return env, argv
+
+
+def _start_sidecar(
+    container: dict[str, Any], pod: dict[str, Any], secrets: dict[str, dict[str, str]], pod_ip: str
+) -> subprocess.Popen[bytes]:
+    env, argv = _resolve(container, pod, secrets, pod_ip)
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    return proc.returncode, proc.stdout + proc.stderr
+    port = container["startupProbe"]["tcpSocket"]["port"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the startup probe: the harness starts once it passes
+        try:
+            socket.create_connection((pod_ip, port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sidecar {argv} exited with {proc.returncode}") from None
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"sidecar {argv} never opened {pod_ip}:{port}")
 
 
 class FakeKube:
     """State of the fake cluster; `decide(job) -> Outcome` picks each Job's fate."""
 
     def __init__(
-        self, decide: Callable[[dict[str, Any]], Outcome], pod_ip: str | None = None
+        self,
+        decide: Callable[[dict[str, Any]], Outcome],
+        pod_ip: str | None = None,
+        secrets: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.decide = decide
         self.pod_ip = pod_ip  # every pod's IP; None: a distinct loopback address per pod
+        # Secret name -> data: with it, `run` Jobs start their native sidecars too (run_locally)
+        self.secrets = secrets
+        self._pods_made = 0
         self.jobs: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}
@@ -224,6 +293,7 @@ class FakeKube:
     def _start_pod(self, name: str, job: dict[str, Any]) -> None:
         """The pod the Job controller would create, already Running (scheduling is instant)."""
         pod_name = f"{name}-{uuid.uuid4().hex[:5]}"
+        self._pods_made += 1  # live pods never share an address
         self.pods[pod_name] = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -236,7 +306,7 @@ class FakeKube:
             },
             "status": {
                 "phase": "Running",
-                "podIP": self.pod_ip or f"127.0.0.{len(self.pods) % 250 + 2}",
+                "podIP": self.pod_ip or f"127.0.0.{self._pods_made % 250 + 2}",
             },
         }  # fmt: skip
 
@@ -245,7 +315,12 @@ class FakeKube:
             job = self.jobs.get(name)
             if job is None:  # deleted before it started
                 return
-            exit_code, log = run_locally(job, outcome.timeout_s)
+            with self.cond:
+                ips = [p["status"]["podIP"] for p in self.pods.values()
+                       if p["metadata"]["labels"]["job-name"] == name]  # fmt: skip
+            if not ips:  # deleted meanwhile
+                return
+            exit_code, log = run_locally(job, outcome.timeout_s, self.secrets, ips[0])
             outcome = Outcome("complete" if exit_code == 0 else "fail", 0, exit_code, log)
         with self.cond:
             job = self.jobs.get(name)

@@ -2,10 +2,12 @@
 
 Everything but the cluster is real: the loop runs as `python -m harnessrl.train --smoke` in two
 `jax.distributed` CPU processes (one device each, one global mesh; process 0 drives), its Jobs
-go through the official client to the FAKE API server (tests/k8s/fake_apiserver.py), which runs
-each Job's harness command as a local process. The harness reaches a real sidecar (standing in for
-the one inside every pod) in front of a real embedded server (standing in for vLLM), both recording
-into a throwaway PostgreSQL; weights travel as HF exports through `/admin/load_weights`.
+go through the official client to the FAKE API server (tests/k8s/fake_apiserver.py), which plays
+kubelet: each Job's own sidecar runs from its init container exactly as the launcher configured it
+(argv, env from the Secrets and the pod's fields, on the pod's own loopback address), then the
+harness command. The harness asks for model "default"; the real embedded server (standing in for
+vLLM) serves only "policy", as the shipped vLLM does; calls are recorded into a throwaway
+PostgreSQL; weights travel as HF exports through `/admin/load_weights`.
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
-from harnessrl.fleet.sidecar import SidecarProcess, free_port
+from harnessrl.fleet.sidecar import free_port
 from harnessrl.model.load import load_policy
 from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 from harnessrl.traces import open_store
-from proxy_sidecar.config import SidecarConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,31 +70,30 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
     tmp_path: Path, pg_dsn: str
 ) -> None:
     model, tokenizer = load_policy("tiny", seed=0)  # what `--smoke` trains: the same weights
-    serve = ServeConfig(port=0, num_slots=4, max_model_len=256, prefill_buckets=(64, 128))
+    serve = ServeConfig(
+        port=0, num_slots=4, max_model_len=256, prefill_buckets=(64, 128),
+        served_model_name="policy",
+    )  # fmt: skip
     server = start_server(model, tokenizer, serve)
-    log = tmp_path / "sidecar.log"
-    sidecar = SidecarProcess(
-        SidecarConfig(
-            upstreams=(server.url,), store=pg_dsn, port=0, model=serve.model_name, log_calls=False
-        ),
-        log,
-    )
+    token = "control-token-of-the-test"
+    secrets = {"harnessrl-store": {"url": pg_dsn}, "harnessrl-control": {"token": token}}
     out = tmp_path / "run"
     try:
-        with fake.FakeKube(lambda job: fake.Outcome("run", 0.0), pod_ip="127.0.0.1") as kube:
+        run = lambda job: fake.Outcome("run", 0.0)  # noqa: E731
+        with fake.FakeKube(run, secrets=secrets) as kube:
             env = dict(
                 os.environ,
                 XLA_FLAGS="--xla_force_host_platform_device_count=1",
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                 JAX_NUM_PROCESSES="2",
                 KUBECONFIG=str(_kubeconfig(tmp_path / "kubeconfig", kube.url)),
-                HARNESSRL_CONTROL_TOKEN=sidecar.token,
+                HARNESSRL_CONTROL_TOKEN=token,
             )
             argv = [
                 sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}",
                 "rollout.launcher=kubernetes", "rollout.kubernetes.image=registry.example.com/harness:1",
                 f"rollout.store={pg_dsn}", f"rollout.servers={server.url}",
-                "rollout.weight_sync=embedded", f"rollout.kubernetes.sidecar.port={sidecar.port}",
+                "rollout.weight_sync=embedded", "serve.served_model_name=policy",
                 f"rollout.harness={HARNESS}",
             ]  # fmt: skip
             procs = [
@@ -133,10 +133,12 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
             assert len(records) == 20
             calls = [c for r in records for c in store.calls(r.rollout_id)]
             assert calls and {1, 2} <= {c.policy_version for c in calls}
+            # The harness's "default" reached a server serving only "policy": the pods' sidecars
+            # rewrote the name, as the train config told the launcher (else every call is a 404).
+            assert {c.status for c in calls} == {200}
         finally:
             store.close()
     finally:
-        sidecar.stop()
         server.stop()
 
 
