@@ -256,6 +256,10 @@ HELP: dict[str, str] = {
     "rollout.kubernetes.command": "the pods' harness argv; empty: rollout.harness",
     "sidecar.model": "model name sent upstream; none: serve.served_model_name (or serve.model)",
     "sidecar.control_token": "control API bearer token; none: a fresh one per run",
+    "sidecar.tokenizer": (
+        "token-in mode's tokenizer: tiny, smollm2, an HF folder or a .gguf (docs/dialects.md); "
+        "none: serve.model's where it names one on this machine, else token-in mode is off"
+    ),
     "data.max_segments_per_row": "static cap on packed sequences per row",
     "data.estimator": "grpo | rloo | dr_grpo advantage estimator",
     "data.std_normalize": "divide GRPO advantages by the group's reward std",

@@ -35,6 +35,7 @@ from harnessrl.fleet import (
     SidecarProcess,
     copy_model,
     remote_serving,
+    served_tokenizer,
 )
 from harnessrl.learner.hosts import LeadLearner, follow
 from harnessrl.learner.mesh import init_distributed
@@ -255,6 +256,8 @@ def start_capture(
         upstreams=tuple(upstream.split(",")),
         store=store_url,
         model=cfg.sidecar.model or cfg.serve.model_name,
+        # Token-in mode (/v1/responses, /v1/messages) with the policy's own tokenizer.
+        tokenizer=cfg.sidecar.tokenizer or served_tokenizer(cfg.serve.model),
     )
     return LocalCapture(SidecarProcess(wired, out / "sidecar.log", cfg.run.sidecar_startup_s))
 

@@ -6,7 +6,7 @@ hold the harness's calls while new weights go in. The loop's names are importabl
 
 from harnessrl.fleet.capture import Capture, LocalCapture, PodCapture
 from harnessrl.fleet.serving import EmbeddedServing, Serving, copy_model, remote_serving
-from harnessrl.fleet.sidecar import SidecarProcess
+from harnessrl.fleet.sidecar import SidecarProcess, served_tokenizer
 
 __all__ = [
     "Capture",
@@ -17,4 +17,5 @@ __all__ = [
     "SidecarProcess",
     "copy_model",
     "remote_serving",
+    "served_tokenizer",
 ]

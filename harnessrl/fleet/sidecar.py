@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from harnessrl.cli import to_argv
+from harnessrl.model.load import QWEN35_SHAPES, TINY
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import rollout_url
 
@@ -28,6 +29,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Model specs whose tokenizer is SmolLM2's (random policies around it, and SmolLM2 itself).
+SMOLLM2_SPECS = frozenset({TINY, "smollm2", *QWEN35_SHAPES})
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def served_tokenizer(model: str) -> str | None:
+    """The sidecar's `tokenizer` for the served model spec `model` (serve.model), turning token-in
+    mode on; None where the spec names no tokenizer on this machine."""
+    if model in SMOLLM2_SPECS:
+        return "smollm2"
+    path = Path(model)
+    if path.is_dir() and any((path / name).is_file() for name in HF_TOKENIZER_FILES):
+        return str(path.absolute())
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.absolute())
+    return None
 
 
 # Runs as the sidecar's `python -c` prelude: on Linux, ask for SIGTERM when the trainer dies (even
