@@ -37,6 +37,7 @@ TASK_ANNOTATION = "harnessrl.io/task"
 BATCH_LABEL = "harnessrl.io/batch"
 TASK_DIR = "/var/run/harnessrl"
 HARNESS_CONTAINER = "harness"
+UNREAD = "could not read the pod"
 CREATE_TRIES = 6  # of one Job; Retry-After and backoff spread them over a few seconds
 
 
@@ -477,6 +478,8 @@ class KubernetesLauncher:
         lv = live.pop(name)
         exit_code, log, pod_note = self._collect(name)
         state, note = outcome
+        if state is RolloutState.SUCCEEDED and pod_note.startswith(UNREAD):
+            state = RolloutState.FAILED  # its output is unknown: never train on an empty one
         stderr = "\n".join(f"[harnessrl] {n}" for n in (note, pod_note) if n)
         results[lv.spec.rollout_id] = self.result(
             lv.spec, state, lv.started, exit_code, log, stderr
@@ -506,7 +509,7 @@ class KubernetesLauncher:
             )).data.decode("utf-8", errors="replace")  # fmt: skip
             return exit_code, log, note
         except transport_errors(ApiException, ValueError, KeyError) as err:
-            return None, "", f"could not read the pod of Job {name}: {err}"
+            return None, "", f"{UNREAD} of Job {name}: {err}"
 
     def _delete(self, name: str) -> None:
         from kubernetes.client.exceptions import ApiException

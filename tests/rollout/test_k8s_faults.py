@@ -163,6 +163,15 @@ def test_500s_on_every_call_are_retried() -> None:
         assert succeeded(results), [r.stderr for r in results]
 
 
+def test_a_run_whose_log_cannot_be_read_is_failed_not_trained_on_empty_output() -> None:
+    status = fake.Fault("status", 500, retry_after="0")
+    with fake.FakeKube(completes()) as kube:
+        kube.inject("log", *[status] * 4)  # every try of the one run's log read
+        (result,) = launcher(kube).run([spec(0)])
+        assert result.state is RolloutState.FAILED and "could not read the pod" in result.stderr
+        assert kube.jobs == {}
+
+
 def test_create_given_up_after_a_lost_answer_deletes_the_name() -> None:
     """The first try may have created the Job: a run reported FAILED leaves nothing running."""
     busy = fake.Fault("status", 503, retry_after="0")
