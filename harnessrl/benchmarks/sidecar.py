@@ -7,12 +7,21 @@ concurrent clients, non-streaming and streaming) and ends with
 overheads are the sidecar's added latency (p50/p99 of through-sidecar minus direct, one client,
 non-streaming, capture and durable SQLite storage on) and the ratio is LiteLLM's added p50 over
 ours. `lost` counts 200 responses through a sidecar whose call is missing from its store.
+
+Token-in rows follow (sidecar_tokenin.py): Responses and Messages calls, which the sidecar renders
+and tokenizes itself, beside pass-through chat calls of the same conversation at 1k and 16k
+tokens, one client, non-streaming. The last line adds, per context size (`_1k`, `_16k`),
+`tokenin_p50_ms` / `tokenin_p99_ms` (Responses through the sidecar minus the upstream's
+completions on the same token-id prompt), `messages_p50_ms`, `passthrough_p50_ms` /
+`passthrough_p99_ms` (chat through the sidecar minus chat direct) and `tokenin_ratio` (the p50s'
+ratio).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import shutil
 import socket
@@ -83,9 +92,21 @@ def upstream_bodies() -> tuple[bytes, bytes]:
     return orjson.dumps(full), sse
 
 
+@functools.lru_cache(maxsize=8)
+def long_chat(prompt_len: int) -> bytes:
+    """The chat answer, with the `prompt_len` prompt ids vLLM returns for a long context."""
+    full = orjson.loads(upstream_bodies()[0])
+    full["prompt_token_ids"] = (PROMPT_IDS * (prompt_len // len(PROMPT_IDS) + 1))[:prompt_len]
+    full["usage"]["prompt_tokens"] = prompt_len
+    return orjson.dumps(full)
+
+
 def serve_upstream(port: int) -> None:
-    """A minimal pure-ASGI vLLM-dialect server answering every POST with fixed bytes."""
+    """A minimal pure-ASGI vLLM-dialect server: fixed chat bytes (with as many prompt ids as a
+    long-context request names), completions echoing their token-id prompt."""
     import uvicorn
+
+    from harnessrl.benchmarks.sidecar_tokenin import chat_prompt_len, completions_body
 
     full, sse = upstream_bodies()
     sse_events = [e + b"\n\n" for e in sse.split(b"\n\n") if e]
@@ -100,15 +121,20 @@ def serve_upstream(port: int) -> None:
             if not msg.get("more_body"):
                 break
         stream = b'"stream":true' in body
+        answer = full
+        if scope["path"] == "/v1/completions":  # token-in calls: their prompt echoed
+            answer = completions_body(orjson.loads(body))
+        elif (size := chat_prompt_len(body)) is not None:
+            answer = long_chat(size)
         headers = [
             (b"content-type", b"text/event-stream" if stream else b"application/json"),
             (b"x-harnessrl-policy-version", b"3"),
         ]
         if not stream:
-            headers.append((b"content-length", str(len(full)).encode()))
+            headers.append((b"content-length", str(len(answer)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if not stream:
-            await send({"type": "http.response.body", "body": full})
+            await send({"type": "http.response.body", "body": answer})
             return
         for event in sse_events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -263,6 +289,8 @@ def start_targets(tmp: str) -> tuple[list[subprocess.Popen[bytes]], list[Target]
                     str(port),
                     "--client",
                     client,
+                    "--tokenizer",
+                    "smollm2",
                 ]
             )
         )
@@ -299,6 +327,13 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
                 for t in targets:
                     n = max(2, int(per * scale * (0.4 if t.name == "litellm" else 1.0)) // rounds)
                     await run_clients(t, label, clients, n, stream)
+        from harnessrl.benchmarks.sidecar_tokenin import measure_tokenin
+
+        sizes = (args.tokenin_small, 16384)
+        auth = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+        calls = max(10, int(args.tokenin_calls * scale))
+        rows, through = await measure_tokenin(targets[0].base, targets[1].base, sizes, calls, auth)
+        targets[1].ok += through  # counted in its store too
     finally:
         for p in [*procs, lite]:
             if p is not None:
@@ -306,10 +341,12 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
         for p in [*procs, lite]:
             if p is not None:
                 p.wait(timeout=30)
-    return report(targets, dbs, why_not)
+    from harnessrl.benchmarks.sidecar_tokenin import report_tokenin
+
+    return report(targets, dbs, why_not, report_tokenin(rows))
 
 
-def report(targets: list[Target], dbs: dict[str, str], why_not: str) -> int:
+def report(targets: list[Target], dbs: dict[str, str], why_not: str, tokenin: str = "") -> int:
     direct = targets[0]
     print(
         f"{'scenario':<11} {'target':<16} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
@@ -349,7 +386,7 @@ def report(targets: list[Target], dbs: dict[str, str], why_not: str) -> int:
         print(f"litellm: not measured ({why_not})")
     print(
         f"sidecar: overhead_p50_ms={over50:.3f} overhead_p99_ms={over99:.3f} "
-        f"litellm_overhead_ratio={ratio} lost={lost}"
+        f"litellm_overhead_ratio={ratio} lost={lost}" + (f" {tokenin}" if tokenin else "")
     )
     return 0 if lost == 0 else 1
 
@@ -357,6 +394,12 @@ def report(targets: list[Target], dbs: dict[str, str], why_not: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m harnessrl.benchmarks.sidecar")
     parser.add_argument("--quick", action="store_true", help="a quarter of the calls")
+    parser.add_argument(
+        "--tokenin-calls", type=int, default=200, help="token-in rows: calls of each kind per size"
+    )
+    parser.add_argument(
+        "--tokenin-small", type=int, default=1024, help="token-in rows: the short context's tokens"
+    )
     parser.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream is not None:

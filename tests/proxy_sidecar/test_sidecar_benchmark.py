@@ -1,14 +1,35 @@
-"""The sidecar benchmark's own pieces: its upstream speaks the vLLM dialect, and the report's last
-line has the agreed format and counts lost calls."""
+"""The sidecar benchmark's own pieces: its upstream speaks the vLLM dialect (completions echoing a
+token-id prompt for token-in calls), the token-in rows run through a real sidecar, and the
+report's last line has the agreed format and counts lost calls."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
 import orjson
 
-from harnessrl.benchmarks.sidecar import COMPLETION, PROMPT_IDS, Target, report, upstream_bodies
+from harnessrl.benchmarks.sidecar import (
+    API_KEY,
+    COMPLETION,
+    PROMPT_IDS,
+    Target,
+    long_chat,
+    report,
+    start_targets,
+    upstream_bodies,
+    wait_ready,
+)
+from harnessrl.benchmarks.sidecar_tokenin import (
+    LABELS,
+    Row,
+    chat_prompt_len,
+    completions_body,
+    measure_tokenin,
+    report_tokenin,
+    requests,
+)
 from harnessrl.traces.parse import parse_response
 from harnessrl.traces.schema import CallRecord, EndpointKind
 from harnessrl.traces.sqlite import SQLiteTraceStore
@@ -48,3 +69,64 @@ def test_report_line_and_lost_count(tmp_path: Any, capsys: Any) -> None:
         r"sidecar: overhead_p50_ms=0\.500 overhead_p99_ms=1\.400 litellm_overhead_ratio=na lost=1",
         last,
     )
+
+
+def test_benchmark_upstream_answers_token_in_and_long_context_calls() -> None:
+    prompt_ids = list(range(5, 40))
+    body = orjson.loads(completions_body({"prompt": prompt_ids}))
+    prompt, choices = parse_response(EndpointKind.COMPLETIONS, body)
+    assert list(prompt) == prompt_ids and list(choices[0].token_ids) == COMPLETION
+    assert chat_prompt_len(b'{"model":"smol-p1500","messages":[]}') == 1500
+    assert chat_prompt_len(b'{"model":"smol","messages":[]}') is None
+    prompt, _ = parse_response(EndpointKind.CHAT, orjson.loads(long_chat(1500)))
+    assert len(prompt) == 1500
+
+
+def test_token_in_rows_run_through_a_real_sidecar_and_reach_the_last_line(
+    tmp_path: Any, capsys: Any
+) -> None:
+    procs, targets, dbs = start_targets(str(tmp_path))
+    headers = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+
+    async def run() -> tuple[list[Row], int]:
+        await wait_ready(targets[0].base + "/models")
+        await wait_ready(targets[1].base.removesuffix("/v1") + "/health")
+        return await measure_tokenin(targets[0].base, targets[1].base, (64,), 2, headers)
+
+    try:
+        rows, through = asyncio.run(run())
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    assert through == 3 * (2 + 3)  # three sidecar kinds, two measured calls and three warm-ups
+    (row,) = rows
+    assert {k: len(v) for k, v in row.lat.items()} == {label: 2 for label, _, _ in LABELS}
+    with SQLiteTraceStore(dbs["aiohttp"]) as s:
+        calls = s.calls("default")
+    dialects = {c.response.get("dialect") for c in calls if c.response is not None}
+    assert dialects == {None, "responses", "messages"}  # chat calls carry no dialect
+    token_in = [c for c in calls if c.endpoint == EndpointKind.COMPLETIONS]
+    # The upstream echoes the prompt: the sidecar rendered the ids the direct calls send.
+    expected = orjson.loads(requests(64)["completions"][1])["prompt"]
+    assert len(token_in) == 10 and all(list(c.prompt_token_ids) == expected for c in token_in)
+    fields = report_tokenin(rows)
+    table = capsys.readouterr().out
+    assert "sidecar responses" in table and "sidecar messages" in table
+    number = r"-?\d+\.\d+"
+    assert re.fullmatch(
+        rf"tokenin_p50_ms_64={number} tokenin_p99_ms_64={number} messages_p50_ms_64={number} "
+        rf"passthrough_p50_ms_64={number} passthrough_p99_ms_64={number} "
+        rf"tokenin_ratio_64={number}",
+        fields,
+    )
+    lat = {"c1": [1.0, 1.0, 2.0]}
+    targets = [
+        Target("direct", "", ok=0, lat={"c1": [0.5, 0.5, 0.6]}),
+        Target("sidecar[aiohttp]", "", ok=len(calls), lat=lat),
+        Target("sidecar[httpx]", "", ok=0, lat=lat),
+    ]
+    assert report(targets, dbs, "not installed", fields) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith("lost=0 " + fields)
