@@ -28,7 +28,7 @@ class ServeConfig:
     and a slot copy: these fields fix the compile count.
     """
 
-    model: str = "smollm2"  # smollm2 | HF folder | .gguf path | tiny (random weights, smoke runs)
+    model: str = "smollm2"  # smollm2 | HF folder | .gguf path | tiny, tiny-qwen3_5, smollm2-qwen3_5 (random weights)
     served_model_name: str = ""  # empty: the `model` spec
     host: str = "127.0.0.1"  # interface to bind; off loopback an admin token is required
     port: int = 8000  # 0 picks a free one (embedded server only)
