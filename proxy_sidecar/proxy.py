@@ -48,6 +48,20 @@ def rollout_of(scope: Scope, default: str) -> str:
     return rollout_id
 
 
+async def store_call(state: SidecarState, record: Any, stream: bool) -> int | None:
+    """Commit the record; None if the store refused it (counted and logged)."""
+    t0 = time.perf_counter()
+    try:
+        seq: int = await state.recorder.record(record)
+    except Exception:
+        state.metrics.store_errors.inc()
+        state.metrics.observe(record, None, stream, state.config.log_calls)
+        return None
+    state.metrics.overhead.observe(time.perf_counter() - t0)
+    state.metrics.observe(record, seq, stream, state.config.log_calls)
+    return seq
+
+
 def rewrite(request: dict[str, Any], endpoint: EndpointKind, state: SidecarState) -> bytes:
     """The body to send: the server's token ids and sampled-token logprobs asked for, the mode's
     overrides applied. BadRequest if it cannot be re-encoded (nor so recorded)."""
@@ -181,7 +195,7 @@ class ProxyEndpoint:
                 error=f"upstream: {err.message}",
                 **common,
             )
-            await self._store(record, stream=False)
+            await store_call(self.state, record, stream=False)
             await send_error(send, err)
             return
         headers, raw_version = response_headers(resp)
@@ -211,20 +225,6 @@ class ProxyEndpoint:
             )
         return self.state.policy_version
 
-    async def _store(self, record: Any, stream: bool) -> int | None:
-        """Commit the record; None if the store refused it (counted and logged)."""
-        state = self.state
-        t0 = time.perf_counter()
-        try:
-            seq: int = await state.recorder.record(record)
-        except Exception:
-            state.metrics.store_errors.inc()
-            state.metrics.observe(record, None, stream, state.config.log_calls)
-            return None
-        state.metrics.overhead.observe(time.perf_counter() - t0)
-        state.metrics.observe(record, seq, stream, state.config.log_calls)
-        return seq
-
     async def _buffered(
         self, send: Send, resp: UpstreamResponse, headers: list[Any], common: dict[str, Any]
     ) -> None:
@@ -236,11 +236,11 @@ class ProxyEndpoint:
             record = build_record(
                 status=failure.status, body=None, error=f"upstream: {err}", **common
             )
-            await self._store(record, stream=False)
+            await store_call(self.state, record, stream=False)
             await send_error(send, failure)
             return
         record = build_record(status=resp.status, body=decode_body(raw), **common)
-        if await self._store(record, stream=False) is None:
+        if await store_call(self.state, record, stream=False) is None:
             await send_error(send, Unavailable("trace store could not record the call"))
             return
         await send_body(send, resp.status, raw, headers)
@@ -287,7 +287,7 @@ class ProxyEndpoint:
             error = f"upstream stream error: {assembled.error}"
         error = error or tee.capture_error
         record = build_record(status=resp.status, body=assembled.body(), error=error, **common)
-        stored = await self._store(record, stream=True)
+        stored = await store_call(self.state, record, stream=True)
         if gone.is_set():
             return
         tail = tee.finish()

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from harnessrl.listener import send_json
 from harnessrl.traces.parse import CaptureError, StreamAssembler, parse_response
-from harnessrl.traces.schema import CallRecord, EndpointKind
+from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import build_record, decode_body, error_message
 from proxy_sidecar.control import SidecarState, parse_object, read_body
 from proxy_sidecar.dialects.call import Completion, Conversation, completion_of
@@ -25,7 +25,13 @@ from proxy_sidecar.dialects.responses import Responses
 from proxy_sidecar.dialects.sse import SSEReader, TextSplitter
 from proxy_sidecar.dialects.tokens import Prompt, Renderer, TurnLedger, load_tokenizer
 from proxy_sidecar.errors import BadRequest, NotFound, NoUpstream, SidecarError, Unavailable
-from proxy_sidecar.proxy import read_failure, reported_version, response_headers, rollout_of
+from proxy_sidecar.proxy import (
+    read_failure,
+    reported_version,
+    response_headers,
+    rollout_of,
+    store_call,
+)
 from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
 
@@ -189,19 +195,6 @@ class _Call:
         body.update(state.config.overrides(state.mode))
         return orjson.dumps(body)
 
-    async def _store(self, record: CallRecord, stream: bool) -> int | None:
-        state = self.state
-        t0 = time.perf_counter()
-        try:
-            seq: int = await state.recorder.record(record)
-        except Exception:
-            state.metrics.store_errors.inc()
-            state.metrics.observe(record, None, stream, state.config.log_calls)
-            return None
-        state.metrics.overhead.observe(time.perf_counter() - t0)
-        state.metrics.observe(record, seq, stream, state.config.log_calls)
-        return seq
-
     async def run(self, receive: Receive, send: Send) -> None:
         state = self.state
         try:
@@ -240,7 +233,7 @@ class _Call:
             error=None if status is not None else err.message,
             **{**self.common, **common},
         )
-        await self._store(record, stream=False)
+        await store_call(self.state, record, stream=False)
         await self.error(send, err)
 
     def _completion(self, body: Any) -> Completion:
@@ -258,7 +251,7 @@ class _Call:
         turns = {"reused_turns": prompt.reused_turns, "rendered_turns": prompt.rendered_turns}
         recorded = {**body, "dialect": self.dialect.name, "reply": reply, "token_in": turns}
         record = build_record(status=200, body=recorded, **self.common)
-        if await self._store(record, stream=stream) is None:
+        if await store_call(self.state, record, stream=stream) is None:
             return False
         self.ledger.add(self.rollout_id, done.message(), done.token_ids)
         self.dialect.remember(self.conv, done, reply)
@@ -334,7 +327,7 @@ class _Call:
         if done is None:
             assert failure is not None
             record = build_record(status=200, body=body, error=failure.message, **self.common)
-            await self._store(record, stream=True)
+            await store_call(self.state, record, stream=True)
             tail = self.dialect.stream_error(failure)
         else:
             tail, reply = writer.finish(done)
