@@ -48,6 +48,22 @@ def rollout_of(scope: Scope, default: str) -> str:
     return rollout_id
 
 
+def watch_disconnect(
+    receive: Receive, resp: UpstreamResponse
+) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    """While a stream is relayed: when the client leaves, set the event and abort the upstream
+    request (the server stops generating). Cancel the task when the stream ends."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+        resp.abort()
+
+    return gone, asyncio.create_task(watch())
+
+
 async def store_call(state: SidecarState, record: Any, stream: bool) -> int | None:
     """Commit the record; None if the store refused it (counted and logged)."""
     t0 = time.perf_counter()
@@ -253,15 +269,7 @@ class ProxyEndpoint:
         headers: list[Any],
         common: dict[str, Any],
     ) -> None:
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            resp.abort()  # closes the upstream request: the server stops generating
-
-        watcher = asyncio.create_task(watch())
+        gone, watcher = watch_disconnect(receive, resp)
         tee = SSETee(self.endpoint)
         error: str | None = None
         failure: SidecarError | None = None

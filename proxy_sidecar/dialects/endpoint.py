@@ -31,6 +31,7 @@ from proxy_sidecar.proxy import (
     response_headers,
     rollout_of,
     store_call,
+    watch_disconnect,
 )
 from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
@@ -277,15 +278,7 @@ class _Call:
         await send_json(send, 200, reply)
 
     async def _stream(self, receive: Receive, send: Send, resp: UpstreamResponse) -> None:
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            resp.abort()  # closes the upstream request: the server stops generating
-
-        watcher = asyncio.create_task(watch())
+        gone, watcher = watch_disconnect(receive, resp)
         writer = self.dialect.writer(self.conv, self.served, len(self.prompt.ids))
         reader, assembler = SSEReader(), StreamAssembler(_COMPLETIONS)
         splitter = TextSplitter(tools=bool(self.conv.tools))
