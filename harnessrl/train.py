@@ -63,7 +63,7 @@ from harnessrl.rollout import (
 )
 from harnessrl.serve.app import start_server
 from harnessrl.traces import TraceStore, open_store
-from proxy_sidecar.webhook import SidecarSpec
+from proxy_sidecar.inject.webhook import SidecarSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SMOKE_DEVICES = 2  # the smoke run's sharded update spans this many simulated CPU devices

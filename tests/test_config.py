@@ -17,7 +17,7 @@ from harnessrl.learner.mesh import TPU_CONFIGS_DIR, available_slice_configs
 from harnessrl.rollout.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
 from harnessrl.rollout.local import LocalLauncherConfig
 from proxy_sidecar.config import SidecarConfig
-from proxy_sidecar.webhook import SidecarSpec
+from proxy_sidecar.inject.webhook import SidecarSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "python -m harnessrl.train"

@@ -31,7 +31,7 @@ from harnessrl.rollout.k8s_api import (
 from harnessrl.rollout.tasks import RunResult, RunSpec, Task, load_tasks
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.control import rollout_url
-from proxy_sidecar.webhook import ROLLOUT_ANNOTATION, SidecarSpec, sidecar_container
+from proxy_sidecar.inject.webhook import ROLLOUT_ANNOTATION, SidecarSpec, sidecar_container
 
 TASK_ANNOTATION = "harnessrl.io/task"
 BATCH_LABEL = "harnessrl.io/batch"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from harnessrl.fleet.capture import PodCapture
-from proxy_sidecar.webhook import SidecarSpec
+from proxy_sidecar.inject.webhook import SidecarSpec
 
 
 class Pods:

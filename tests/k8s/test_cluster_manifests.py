@@ -167,7 +167,7 @@ def test_one_images_entry_names_every_harnessrl_image(overlay: str, tmp_path: Pa
                 if "harnessrl" in c["image"]:
                     assert c["image"] == new, (d["metadata"]["name"], c["image"])
                 env = {e["name"]: e.get("value") for e in c.get("env", [])}
-                if c.get("command", [])[:3] == ["python", "-m", "proxy_sidecar.webhook"]:
+                if c.get("command", [])[:3] == ["python", "-m", "proxy_sidecar.inject.webhook"]:
                     assert env["HARNESSRL_IMAGE"] == new
                     assert "--sidecar-image=$(HARNESSRL_IMAGE)" in c["args"]
                 if c.get("command", [])[:3] == ["python", "-m", "harnessrl.train"]:

@@ -29,7 +29,7 @@ from harnessrl.rollout.coding import CodingConfig, CodingEvaluator, as_task
 from harnessrl.rollout.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
 from harnessrl.rollout.tasks import RunSpec
 from harnessrl.traces.schema import RolloutState
-from proxy_sidecar.webhook import SIDECAR_NAME, SidecarSpec
+from proxy_sidecar.inject.webhook import SIDECAR_NAME, SidecarSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

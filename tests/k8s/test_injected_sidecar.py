@@ -32,8 +32,8 @@ from harnessrl.rollout.k8s import job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.traces import open_store
 from harnessrl.train import pod_sidecar
-from proxy_sidecar import webhook
-from proxy_sidecar.webhook import SIDECAR_NAME, review_response
+from proxy_sidecar.inject import webhook
+from proxy_sidecar.inject.webhook import SIDECAR_NAME, review_response
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "k8s" / "base"

@@ -132,7 +132,7 @@ def test_webhook_only_sees_opted_in_pods_and_serves_tls() -> None:
     assert svc["spec"]["ports"][0]["port"] == hook["clientConfig"]["service"]["port"]
     pod = by_kind(docs, "Deployment", "harnessrl-webhook")["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "proxy_sidecar.webhook"]
+    assert c["command"] == ["python", "-m", "proxy_sidecar.inject.webhook"]
     assert (
         "--tls-cert=/tls/tls.crt" in c["args"]
         and c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 from starlette.testclient import TestClient
 
-from proxy_sidecar.webhook import (
+from proxy_sidecar.inject.webhook import (
     SIDECAR_NAME,
     SidecarSpec,
     create_app,
@@ -198,7 +198,7 @@ def test_webhook_serves_over_tls(tmp_path: Path) -> None:
     port = _free_port()
     ctx = ssl.create_default_context(cafile=str(cert))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy_sidecar.webhook", "--host", "127.0.0.1",
+        [sys.executable, "-m", "proxy_sidecar.inject.webhook", "--host", "127.0.0.1",
          "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -233,7 +233,7 @@ def test_webhook_serves_over_tls(tmp_path: Path) -> None:
 def test_main_builds_the_spec_from_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     import uvicorn
 
-    from proxy_sidecar import webhook
+    from proxy_sidecar.inject import webhook
 
     seen: dict[str, Any] = {}
 

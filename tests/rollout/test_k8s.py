@@ -28,7 +28,7 @@ from harnessrl.rollout.k8s import (
 )
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.traces.schema import RolloutRecord, RolloutState
-from proxy_sidecar.webhook import SIDECAR_NAME, SidecarSpec
+from proxy_sidecar.inject.webhook import SIDECAR_NAME, SidecarSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(

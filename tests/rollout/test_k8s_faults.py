@@ -25,7 +25,7 @@ from harnessrl.rollout.k8s import (
 from harnessrl.rollout.k8s_api import retry_after_s, retry_delay
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.traces.schema import RolloutState
-from proxy_sidecar.webhook import SidecarSpec
+from proxy_sidecar.inject.webhook import SidecarSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(

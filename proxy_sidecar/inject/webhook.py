@@ -241,7 +241,8 @@ def create_app(spec: SidecarSpec) -> Starlette:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m proxy_sidecar.webhook", description="harnessrl sidecar injection webhook"
+        prog="python -m proxy_sidecar.inject.webhook",
+        description="harnessrl sidecar injection webhook",
     )
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8443)
