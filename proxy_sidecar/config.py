@@ -33,6 +33,8 @@ class SidecarConfig:
     # Bearer token of the control and rollout API (or HARNESSRL_CONTROL_TOKEN)
     control_token: str | None = field(default=None, repr=False)
     default_rollout: str = "default"  # rollout id of plain /v1/... calls (or HARNESSRL_ROLLOUT_ID)
+    # Bearer key sent upstream in place of the harness's own (or HARNESSRL_UPSTREAM_API_KEY)
+    upstream_api_key: str | None = field(default=None, repr=False)
     mode: str = "train"  # train | eval: which sampling overrides apply
     model: str | None = None  # rewrite the request's model name (the served alias); none: keep it
     # token-in mode's tokenizer and chat template: tiny, smollm2, an HF folder or a .gguf
@@ -115,6 +117,7 @@ def parse_args(
         env_keys={
             "control_token": "HARNESSRL_CONTROL_TOKEN",
             "default_rollout": "HARNESSRL_ROLLOUT_ID",
+            "upstream_api_key": "HARNESSRL_UPSTREAM_API_KEY",
         },
         required=("upstreams",),
     )
