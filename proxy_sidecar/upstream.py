@@ -120,6 +120,9 @@ class UpstreamPool:
         self._client: Any = None
         self._fresh: Any = None
         self.stale_retries = 0
+        # The server's key replaces the harness's own: only this process holds it (k8s/base).
+        key = config.upstream_api_key
+        self._auth = [("authorization", f"Bearer {key}")] if key else []
 
     async def start(self) -> None:
         self._client = self._make_client(pooled=True)
@@ -185,6 +188,8 @@ class UpstreamPool:
         body: bytes | None,
     ) -> tuple[Upstream, UpstreamResponse]:
         """Send to the rollout's upstream, falling over to others; nothing is sent to the client."""
+        if self._auth:
+            headers = [h for h in headers if h[0].lower() != "authorization"] + self._auth
         last = ""
         timed_out = False
         tries = self.candidates(rollout_id)[: self.config.retries + 1]
