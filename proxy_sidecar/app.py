@@ -20,9 +20,10 @@ from harnessrl.listener import error_body, send_body, send_json
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
-from proxy_sidecar.config import SidecarConfig
+from proxy_sidecar.config import TOKEN_IN_CHAT, SidecarConfig
 from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
-from proxy_sidecar.dialects.endpoint import TokenIn, dialect_routes
+from proxy_sidecar.dialects.chat import Chat
+from proxy_sidecar.dialects.endpoint import DialectEndpoint, TokenIn, dialect_routes
 from proxy_sidecar.dialects.models import ModelList
 from proxy_sidecar.errors import SidecarError, send_error
 from proxy_sidecar.metrics import Metrics
@@ -88,14 +89,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def routes(state: SidecarState, tokenin: TokenIn | None = None) -> list[Route]:
     chat, comp = EndpointKind.CHAT, EndpointKind.COMPLETIONS
     tokenin = tokenin or TokenIn()
+    chat_route: Any = ProxyEndpoint(state, chat, "/v1/chat/completions")
+    if state.config.token_in_chat:  # the chat dialect, with its tokenizer once loaded
+        chat_route = DialectEndpoint(state, tokenin, Chat(tokenin))
     out = []
     for prefix in ("/rollouts/{rollout_id}/v1", "/v1"):
         out += [
-            Route(
-                f"{prefix}/chat/completions",
-                ProxyEndpoint(state, chat, "/v1/chat/completions"),
-                methods=["POST"],
-            ),
+            Route(f"{prefix}/chat/completions", chat_route, methods=["POST"]),
             Route(
                 f"{prefix}/completions",
                 ProxyEndpoint(state, comp, "/v1/completions"),
@@ -118,6 +118,8 @@ def routes(state: SidecarState, tokenin: TokenIn | None = None) -> list[Route]:
 
 def build_app(config: SidecarConfig, store: TraceStore | None = None) -> Starlette:
     """The sidecar app. A `store` passed in is used as is and left open at shutdown."""
+    if config.token_in_chat and config.tokenizer is None:
+        raise ValueError(TOKEN_IN_CHAT)
     state = SidecarState(config, store, Metrics())
     tokenin = TokenIn()
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from harnessrl.cli import command_line
+from harnessrl.cli import command_line, fail
 from harnessrl.traces.schema import policy_version_error
 
 MODES = ("train", "eval")
 CLIENTS = ("aiohttp", "httpx")
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+TOKEN_IN_CHAT = "--token-in-chat needs --tokenizer: the model spec the server loads, e.g. smollm2"
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SidecarConfig:
     # token-in mode's tokenizer and chat template: tiny, smollm2, an HF folder or a .gguf
     # (docs/dialects.md); none: /v1/responses and /v1/messages are off
     tokenizer: str | None = None
+    token_in_chat: bool = False  # /v1/chat/completions in token-in mode too (needs tokenizer)
     train_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"temperature": 1.0}
     eval_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"temperature": 0}
     policy_version: int | None = None  # recorded on every call until /control sets another
@@ -65,8 +67,8 @@ class SidecarConfig:
             raise ValueError("upstreams must name at least one URL, e.g. http://127.0.0.1:8000")
         for url in self.upstreams:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"upstream {url!r} must be an http(s)://HOST:PORT URL")
+            if parts.scheme not in ("http", "https", "k8s") or not parts.netloc:
+                raise ValueError(f"upstream {url!r}: http(s)://HOST:PORT, or k8s://NS/SERVICE:PORT")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.client not in CLIENTS:
@@ -121,4 +123,6 @@ def parse_args(
         },
         required=("upstreams",),
     )
+    if config.token_in_chat and config.tokenizer is None:
+        fail("python -m proxy_sidecar", TOKEN_IN_CHAT)
     return config
