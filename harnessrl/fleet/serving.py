@@ -81,11 +81,12 @@ class RemoteServing:
 def remote_serving(
     urls: str, weight_sync: str, export_root: Path, tokenizer: Any, admin_token: str = ""
 ) -> RemoteServing:
-    """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1) or embedded (whose
+    """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1; `admin_token` is their
+    API key, which k8s/base/vllm_guard.py asks of every route) or embedded (whose
     `/admin/load_weights` takes `admin_token`, the servers' `--admin-token`)."""
     sync: WeightSync
     if weight_sync == "vllm":
-        sync = VLLMSync(VLLMSyncConfig(urls=tuple(urls.split(","))))
+        sync = VLLMSync(VLLMSyncConfig(urls=tuple(urls.split(",")), api_key=admin_token or None))
     elif weight_sync == "embedded":
         sync = EmbeddedSync(urls=urls, admin_token=admin_token or None)
     else:
