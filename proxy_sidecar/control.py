@@ -49,6 +49,9 @@ class SidecarState:
         self.metrics = metrics
         self.mode = config.mode
         self.policy_version = config.policy_version
+        # Replica URL -> the version it serves, where it differs from policy_version (a push
+        # that reached some replicas only); a call is labelled with its replica's version.
+        self.upstream_versions: dict[str, int] = {}
         self.in_flight = 0
         self.paused = False
         self._open = asyncio.Event()
@@ -98,11 +101,16 @@ class SidecarState:
             return False
         return True
 
+    def version_of(self, upstream: str) -> int | None:
+        """The policy version a call served by `upstream` is labelled with (no version header)."""
+        return self.upstream_versions.get(upstream, self.policy_version)
+
     def status(self) -> dict[str, Any]:
         return {
             "paused": self.paused,
             "in_flight": self.in_flight,
             "policy_version": self.policy_version,
+            "upstream_versions": self.upstream_versions,
             "mode": self.mode,
         }
 
@@ -268,8 +276,14 @@ class ControlEndpoint:
             error = policy_version_error(version)
             if error:
                 raise BadRequest(f"'version' {error}", param="version")
-            state.policy_version = version
-            state.metrics.policy_version.set(version)
+            upstream = body.get("upstream")
+            if upstream is None:  # every replica serves it now
+                state.policy_version, state.upstream_versions = version, {}
+                state.metrics.policy_version.set(version)
+            elif isinstance(upstream, str) and upstream.startswith(("http://", "https://")):
+                state.upstream_versions[upstream.rstrip("/").removesuffix("/v1")] = version
+            else:
+                raise BadRequest(f"'upstream' must be a replica URL, got {upstream!r}")
         elif self.action == "mode":
             if body.get("mode") not in MODES:
                 raise BadRequest(f"'mode' must be one of {MODES}, got {body.get('mode')!r}")

@@ -224,7 +224,7 @@ class ProxyEndpoint:
             await self._buffered(send, resp, headers, common)
 
     def _served_version(self, raw: bytes | None, upstream: str) -> int | None:
-        """The upstream's version header if usable, else the control API's version."""
+        """The upstream's version header if usable, else the control API's version of it."""
         version = reported_version(raw)
         if version is not None:
             return version
@@ -239,7 +239,7 @@ class ProxyEndpoint:
                 _POLICY_HEADER.decode(),
                 raw[:40],
             )
-        return self.state.policy_version
+        return self.state.version_of(upstream)
 
     async def _buffered(
         self, send: Send, resp: UpstreamResponse, headers: list[Any], common: dict[str, Any]

@@ -19,6 +19,7 @@ import aiohttp
 import httpx
 
 from proxy_sidecar.config import SidecarConfig
+from proxy_sidecar.discovery.service import ServiceUpstreams, is_service, parse_service
 from proxy_sidecar.errors import BadRequest, NoUpstream, UpstreamTimeout
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -116,7 +117,11 @@ class UpstreamPool:
     def __init__(self, config: SidecarConfig) -> None:
         """Its upstreams, client kind, timeouts, retries and ejection time come from `config`."""
         self.config = config
-        self.upstreams = [Upstream(u.removesuffix("/v1")) for u in config.upstreams]
+        fixed = [u.removesuffix("/v1") for u in config.upstreams if not is_service(u)]
+        self.upstreams, self._fixed = [Upstream(u) for u in fixed], fixed
+        self.services = ServiceUpstreams(
+            [parse_service(u) for u in config.upstreams if is_service(u)]
+        )
         self._client: Any = None
         self._fresh: Any = None
         self.stale_retries = 0
@@ -129,6 +134,14 @@ class UpstreamPool:
         # Used only to retry a request whose pooled connection turned out to be dead: when many
         # pooled connections went stale together, the pool could hand out another dead one.
         self._fresh = self._make_client(pooled=False)
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        """The Services' replicas as DNS lists them now; known ones keep their ejection state."""
+        known = {u.url: u for u in self.upstreams}
+        urls = [*self._fixed, *await self.services.urls()]
+        if urls:  # a failed lookup keeps the last list rather than leave nothing to call
+            self.upstreams = [known.get(u) or Upstream(u) for u in urls]
 
     def _make_client(self, *, pooled: bool) -> Any:
         cfg = self.config
@@ -190,6 +203,8 @@ class UpstreamPool:
         """Send to the rollout's upstream, falling over to others; nothing is sent to the client."""
         if self._auth:
             headers = [h for h in headers if h[0].lower() != "authorization"] + self._auth
+        if self.services.due():
+            await self.refresh()
         last = ""
         timed_out = False
         tries = self.candidates(rollout_id)[: self.config.retries + 1]

@@ -209,7 +209,9 @@ class _Call:
         headers, raw_version = response_headers(resp)
         self.common["upstream"] = upstream.url
         version = reported_version(raw_version)
-        self.common["policy_version"] = state.policy_version if version is None else version
+        self.common["policy_version"] = (
+            state.version_of(upstream.url) if version is None else version
+        )
         stream = any(n == b"content-type" and b"text/event-stream" in v for n, v in headers)
         if resp.status != 200:
             try:

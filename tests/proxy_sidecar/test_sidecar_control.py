@@ -43,7 +43,10 @@ def test_token_is_required_and_compared(guarded: Any) -> None:
     )
     assert httpx.post(url + "/rollouts/x/reward", json={"reward": 1}).status_code == 401
     ok = httpx.get(url + "/control/status", headers=auth())
-    assert ok.json() == {"paused": False, "in_flight": 0, "policy_version": None, "mode": "train"}
+    assert ok.json() == {
+        "paused": False, "in_flight": 0, "policy_version": None, "upstream_versions": {},
+        "mode": "train",
+    }  # fmt: skip
     # Model calls themselves never need the control token.
     assert httpx.post(guarded.base("r") + "/chat/completions", json=CHAT).status_code == 200
 

@@ -1,0 +1,1 @@
+"""Upstream discovery: a Kubernetes Service named as `k8s://NAMESPACE/SERVICE:PORT` → its replicas."""
