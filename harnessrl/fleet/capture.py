@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from harnessrl.fleet.weight_sync import WeightSyncError
 from proxy_sidecar.control import rollout_token, rollout_url
 
 
@@ -41,10 +42,16 @@ class LocalCapture:
 
     @contextlib.contextmanager
     def hold(self, version: int) -> Iterator[None]:
-        """New calls wait (in-flight ones drain) inside; after a clean exit they carry `version`."""
+        """New calls wait (in-flight ones drain) inside; after a clean exit they carry `version`
+        (after a push that reached some servers only: the calls those serve)."""
         self.sidecar.control("pause", {"drain_timeout_s": 120})
         try:
-            yield
+            try:
+                yield
+            except WeightSyncError as err:
+                for url, served in err.updated.items():
+                    self.sidecar.control("policy_version", {"version": served, "upstream": url})
+                raise
             self.sidecar.control("policy_version", {"version": version})
         finally:
             self.sidecar.control("resume")
@@ -86,7 +93,13 @@ class PodCapture:
             for url in sorted(set(self.launcher.sidecar_urls())):
                 if self._post(url, "pause", {"drain_timeout_s": 120}):
                     paused.append(url)
-            yield
+            try:
+                yield
+            except WeightSyncError as err:  # the replicas that took it serve it: say so
+                for url in paused:
+                    for upstream, served in err.updated.items():
+                        self._post(url, "policy_version", {"version": served, "upstream": upstream})
+                raise
             self.launcher.policy_version = version
             for url in paused:
                 self._post(url, "policy_version", {"version": version})

@@ -1,7 +1,8 @@
 """Where the policy is served: the embedded JAX server in this process, or remote servers.
 
 In: the learner's weights and their policy version. Out: servers answering with them. Remote
-servers (vLLM, or embedded servers elsewhere) load an exported HF folder from shared storage.
+servers (vLLM, or embedded servers elsewhere) load an exported HF folder: from shared storage
+(`weight_push=shared`), or fetched from this process over HTTP (`weight_push=http`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from harnessrl.fleet.export_server import ExportServer
 from harnessrl.fleet.weight_sync import EmbeddedSync, VLLMSync, VLLMSyncConfig, WeightSync
 from harnessrl.serve.app import ServerHandle
 
@@ -56,14 +58,25 @@ class EmbeddedServing:
         self.server.stop()
 
 
-class RemoteServing:
-    """Servers elsewhere: export to `export_root` (shared storage), then make each server load it."""
+WEIGHT_PUSHES = ("shared", "http")
 
-    def __init__(self, urls: str, sync: WeightSync, export_root: Path, tokenizer: Any) -> None:
-        self.url = urls
+
+class RemoteServing:
+    """Servers elsewhere: export to `export_root`, then make every server load it."""
+
+    def __init__(
+        self,
+        urls: str,
+        sync: WeightSync,
+        export_root: Path,
+        tokenizer: Any,
+        source: ExportServer | None = None,
+    ) -> None:
+        self.url = urls  # a k8s:// Service too: sidecars list its replicas themselves
         self.sync = sync
         self.export_root = export_root
         self.tokenizer = tokenizer
+        self.source = source
         self.compile_count = 0  # remote servers compile on their own; not counted here
 
     def push(self, learner: Any, version: int) -> None:
@@ -75,20 +88,40 @@ class RemoteServing:
             shutil.rmtree(old, ignore_errors=True)
 
     def stop(self) -> None:
-        pass
+        if self.source is not None:
+            self.source.stop()
 
 
 def remote_serving(
-    urls: str, weight_sync: str, export_root: Path, tokenizer: Any, admin_token: str = ""
+    urls: str,
+    weight_sync: str,
+    export_root: Path,
+    tokenizer: Any,
+    admin_token: str = "",
+    weight_push: str = "shared",
+    push_address: str = "",
+    api_client: Any = None,
 ) -> RemoteServing:
     """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1; `admin_token` is their
     API key, which k8s/base/vllm_guard.py asks of every route) or embedded (whose
-    `/admin/load_weights` takes `admin_token`, the servers' `--admin-token`)."""
-    sync: WeightSync
-    if weight_sync == "vllm":
-        sync = VLLMSync(VLLMSyncConfig(urls=tuple(urls.split(",")), api_key=admin_token or None))
-    elif weight_sync == "embedded":
-        sync = EmbeddedSync(urls=urls, admin_token=admin_token or None)
-    else:
+    `/admin/load_weights` takes `admin_token`, the servers' `--admin-token`). `weight_push`:
+    shared (the servers read `export_root`) or http (they fetch it from this process, served on
+    `push_address`). `urls` may be one k8s://NAMESPACE/SERVICE:PORT, read with `api_client`."""
+    if weight_sync not in ("vllm", "embedded"):
         raise ValueError(f"rollout.weight_sync must be vllm or embedded, got {weight_sync!r}")
-    return RemoteServing(urls, sync, export_root, tokenizer)
+    if weight_push not in WEIGHT_PUSHES:
+        raise ValueError(f"rollout.weight_push must be shared or http, got {weight_push!r}")
+    key = admin_token or None
+    vllm_cfg = (
+        VLLMSyncConfig(urls=tuple(urls.split(",")), api_key=key) if weight_sync == "vllm" else None
+    )
+    source = None
+    if weight_push == "http":
+        export_root.mkdir(parents=True, exist_ok=True)
+        source = ExportServer(export_root, push_address)
+    sync: WeightSync
+    if vllm_cfg is not None:
+        sync = VLLMSync(vllm_cfg, source=source, api_client=api_client)
+    else:
+        sync = EmbeddedSync(urls, admin_token=key, source=source, api_client=api_client)
+    return RemoteServing(urls, sync, export_root, tokenizer, source)

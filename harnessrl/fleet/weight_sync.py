@@ -1,22 +1,35 @@
 """Weight sync: new learner weights into the serving fleet, between two rollout rounds.
 
 In: an exported HF safetensors folder and a policy version. Out: servers elsewhere that answer with
-the new weights: embedded JAX servers, or vLLM, each through its HTTP API.
+the new weights: embedded JAX servers, or vLLM, each through its HTTP API. Every replica is pushed
+at once (each paused, reloaded and resumed on its own thread), reading the folder from shared
+storage or fetching it from the trainer's `ExportServer` (`weight_push=http`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
+from harnessrl.fleet.export_server import ExportServer
+from harnessrl.fleet.replicas import Replicas, server_urls
+
 
 class WeightSyncError(RuntimeError):
-    """A server did not take the new weights; the train loop must not record the new version."""
+    """A server did not take the new weights; the train loop must not record the new version.
+
+    `updated`: replica URL -> version, for the replicas that did take it (they serve it now).
+    """
+
+    def __init__(self, message: str, updated: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.updated = dict(updated or {})
 
 
 class WeightSync(Protocol):
@@ -47,55 +60,98 @@ def check_export_dir(path: Any) -> Path:
     return p
 
 
-def _urls(urls: Sequence[str] | str, what: str) -> tuple[str, ...]:
-    items = tuple(
-        u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls)
-    )
-    if not items or not all(u.startswith(("http://", "https://")) for u in items):
-        raise ValueError(f"{what} urls must be http(s) server roots, got {urls!r}")
-    return items
+def _replicas(urls: Replicas | Sequence[str] | str, what: str, api_client: Any) -> Replicas:
+    """A fixed URL list, or one `k8s://NAMESPACE/SERVICE:PORT` resolved at every push."""
+    if isinstance(urls, Replicas):
+        return urls
+    items = [urls] if isinstance(urls, str) else list(urls)
+    text = ",".join(u.strip() for u in items)
+    if text.startswith("k8s://"):
+        return Replicas(text, api_client)
+    return Replicas(",".join(server_urls(text, f"{what} urls")))
+
+
+def push_replicas(
+    urls: Sequence[str], push_one: Callable[[str], None], version: int, parallel: bool = True
+) -> dict[str, float]:
+    """`push_one(url)` on every replica, all at once (`parallel`) or in turn; returns the seconds
+    each took. Every replica is tried; a failure names each replica that failed."""
+    timings: dict[str, float] = {}
+
+    def timed(url: str) -> BaseException | None:
+        t0 = time.monotonic()
+        try:
+            push_one(url)
+        except Exception as err:
+            return err
+        timings[url] = time.monotonic() - t0
+        return None
+
+    if parallel and len(urls) > 1:
+        with ThreadPoolExecutor(len(urls)) as pool:
+            errors = list(pool.map(timed, urls))
+    else:
+        errors = [timed(url) for url in urls]
+    failed = [(u, e) for u, e in zip(urls, errors, strict=True) if e is not None]
+    if failed:
+        updated = {url: version for url in timings}
+        if len(failed) == 1 and isinstance(failed[0][1], WeightSyncError):
+            raise WeightSyncError(str(failed[0][1]), updated) from failed[0][1]
+        why = "; ".join(f"{u}: {type(e).__name__}: {e}" for u, e in failed)
+        raise WeightSyncError(
+            f"{len(failed)} of {len(urls)} servers did not take version {version}: {why}", updated
+        ) from failed[0][1]
+    return timings
 
 
 class EmbeddedSync:
-    """Embedded JAX servers elsewhere: each loads an exported folder on `POST /admin/load_weights`.
+    """Embedded JAX servers elsewhere: each loads an exported folder on `POST /admin/load_weights`
+    (from its path on shared storage, or fetched from the trainer's `source`).
 
     (In the trainer's own process, `EmbeddedServing` swaps params into the engine directly.)
     """
 
     def __init__(
         self,
-        urls: Sequence[str] | str,
+        urls: Replicas | Sequence[str] | str,
         timeout_s: float = 600.0,
         client: httpx.Client | None = None,
         admin_token: str | None = None,  # the servers' --admin-token (sent as a bearer token)
+        source: ExportServer | None = None,  # weight_push=http: servers fetch from the trainer
+        parallel: bool = True,  # False: one server after the other (for comparison)
+        api_client: Any = None,  # Kubernetes API client for a k8s:// Service
     ) -> None:
-        self.urls = _urls(urls, "EmbeddedSync")
+        self.replicas = _replicas(urls, "EmbeddedSync", api_client)
+        self.source, self.parallel = source, parallel
         self._client = client or httpx.Client(timeout=timeout_s)
         self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.last_push_s: dict[str, float] = {}  # seconds each replica took in the last push
 
     def push(self, export_dir: Any, version: int) -> None:
         version = _check_version(version)
         path = check_export_dir(export_dir)
-        for url in self.urls:
-            try:
-                r = self._client.post(
-                    f"{url}/admin/load_weights",
-                    json={"path": str(path.resolve()), "version": version},
-                    headers=self._headers,
-                )
-            except httpx.HTTPError as err:
-                raise WeightSyncError(f"{url}: load_weights failed: {err}") from err
-            if r.status_code != 200 or r.json().get("version") != version:
-                raise WeightSyncError(
-                    f"{url}: load_weights answered {r.status_code}: {r.text[:500]}"
-                )
+        if self.source is not None:
+            body = {**self.source.fetch_fields(path), "version": version}
+        else:
+            body = {"path": str(path.resolve()), "version": version}
+        self.last_push_s = push_replicas(
+            self.replicas.urls(), lambda url: self._push_one(url, body), version, self.parallel
+        )
+
+    def _push_one(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            r = self._client.post(f"{url}/admin/load_weights", json=body, headers=self._headers)
+        except httpx.HTTPError as err:
+            raise WeightSyncError(f"{url}: load_weights failed: {err}") from err
+        if r.status_code != 200 or r.json().get("version") != body["version"]:
+            raise WeightSyncError(f"{url}: load_weights answered {r.status_code}: {r.text[:500]}")
 
 
 @dataclass(frozen=True)
 class VLLMSyncConfig:
     """vLLM servers started with VLLM_SERVER_DEV_MODE=1 (that enables the endpoints used here)."""
 
-    urls: tuple[str, ...]
+    urls: tuple[str, ...]  # server roots, or one k8s://NAMESPACE/SERVICE:PORT
     timeout_s: float = 600.0  # one reload; big models on slow shared storage take a while
     pause_mode: str = "wait"  # vLLM's /pause: "wait" drains in-flight requests, "abort" drops them
     # Shared storage mounted elsewhere on the servers: (prefix on the learner, prefix on servers).
@@ -105,7 +161,9 @@ class VLLMSyncConfig:
     api_key: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "urls", _urls(self.urls, "VLLMSyncConfig"))
+        urls = _replicas(self.urls, "VLLMSyncConfig", None)
+        fixed = (f"k8s://{s.namespace}/{s.name}:{s.port}",) if (s := urls.service) else urls.fixed
+        object.__setattr__(self, "urls", fixed)
         if self.pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(
                 f"VLLMSyncConfig.pause_mode must be wait|abort|keep, got {self.pause_mode!r}"
@@ -117,16 +175,27 @@ class VLLMSyncConfig:
 class VLLMSync:
     """Reload weights in place from an exported folder through vLLM's documented HTTP endpoints.
 
-    Per server: `POST /pause?mode=wait` → `POST /collective_rpc` with `reload_weights(weights_path)`
-    on every worker → `POST /reset_prefix_cache` (cached KV came from the old weights) →
-    `POST /update_weight_version` → `POST /resume` (always, even after a failure).
+    Per server, all at once: `POST /pause?mode=wait` → `POST /collective_rpc` with
+    `reload_weights(weights_path)` on every worker (with a `source`: `reload_weights_from_url`,
+    the worker extension in harnessrl/serve/weight_fetch.py) → `POST /reset_prefix_cache` (cached
+    KV came from the old weights) → `POST /update_weight_version` → `POST /resume` (always, even
+    after a failure).
     """
 
-    def __init__(self, config: VLLMSyncConfig, client: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        config: VLLMSyncConfig,
+        client: httpx.Client | None = None,
+        source: ExportServer | None = None,
+        parallel: bool = True,
+        api_client: Any = None,
+    ) -> None:
         self.config = config
+        self.replicas = _replicas(config.urls, "VLLMSyncConfig", api_client)
+        self.source, self.parallel = source, parallel
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._client = client or httpx.Client(timeout=config.timeout_s, headers=headers)
-        self.last_push_s = 0.0  # how long the last push held one server (pause to resume)
+        self.last_push_s: dict[str, float] = {}  # per replica: how long the push held it
 
     def server_path(self, path: Path) -> str:
         text = str(path.resolve())
@@ -140,15 +209,23 @@ class VLLMSync:
     def push(self, export_dir: Any, version: int) -> None:
         version = _check_version(version)
         # Checked here because a bad path makes vLLM's worker raise, which kills its engine.
-        weights_path = self.server_path(check_export_dir(export_dir))
-        for url in self.config.urls:
-            self._push_one(url, weights_path, version)
+        path = check_export_dir(export_dir)
+        if self.source is not None:
+            reload = {"method": "reload_weights_from_url", "kwargs": self.source.fetch_fields(path)}
+        else:
+            reload = {
+                "method": "reload_weights",
+                "kwargs": {"weights_path": self.server_path(path)},
+            }
+        self.last_push_s = push_replicas(
+            self.replicas.urls(), lambda url: self._push_one(url, reload, version), version,
+            self.parallel,
+        )  # fmt: skip
 
-    def _push_one(self, url: str, weights_path: str, version: int) -> None:
-        t0 = time.monotonic()
+    def _push_one(self, url: str, reload: dict[str, Any], version: int) -> None:
         self._post(url, "/pause", params={"mode": self.config.pause_mode})
         try:
-            self._reload(url, weights_path)
+            self._reload(url, reload)
             r = self._post(url, "/reset_prefix_cache")
             # vLLM answers {"success": false} while KV blocks are still held; serving on would
             # reuse prefixes computed with the old weights.
@@ -163,14 +240,9 @@ class VLLMSync:
                 raise WeightSyncError(f"{err}; then {resume_err}") from err
             raise
         self._post(url, "/resume")
-        self.last_push_s = time.monotonic() - t0
 
-    def _reload(self, url: str, weights_path: str) -> None:
-        body = {
-            "method": "reload_weights",
-            "kwargs": {"weights_path": weights_path},
-            "timeout": self.config.timeout_s,
-        }
+    def _reload(self, url: str, reload: dict[str, Any]) -> None:
+        body = {**reload, "timeout": self.config.timeout_s}
         try:
             r = self._post(url, "/collective_rpc", json=body)
         except WeightSyncError as err:

@@ -40,6 +40,7 @@ from harnessrl.serve.generate import (
 )
 from harnessrl.serve.output import TokenText
 from harnessrl.serve.protocol import RequestError, RequestLimits, Tokenizer, tokenize_body
+from harnessrl.serve.weight_fetch import check_fetch, with_fetched
 from harnessrl.traces.schema import policy_version_error
 from proxy_sidecar.types import Message, Receive, Scope, Send
 
@@ -167,14 +168,21 @@ def _check_admin(request: Request, token: str) -> None:
 
 
 async def load_weights(request: Request) -> JSONResponse:
-    """`{"path": "<exported HF folder>", "version": <int>}` → 200 `{"version": <int>}`."""
+    """`{"path": "<exported HF folder>", "version": <int>}` → 200 `{"version": <int>}`; or, in
+    place of the path, `url`, `files` and `token` of a trainer's export to fetch (weight_fetch)."""
     backend: Backend = request.app.state.backend
     loader: ParamsLoader = request.app.state.params_loader
     _check_admin(request, request.app.state.admin_token)  # before the body is even read
     body = await _read(request, backend)
     fields = body if isinstance(body, dict) else {}
     path, version = fields.get("path"), fields.get("version")
-    if not isinstance(path, str) or not path:
+    fetch = fields.get("url") is not None
+    if fetch:
+        try:
+            check_fetch(fields.get("url"), fields.get("files"))
+        except ValueError as err:
+            raise RequestError(str(err), param="url") from err
+    elif not isinstance(path, str) or not path:
         raise RequestError(
             f"path must be the exported model folder, got {path!r:.200}", param="path"
         )
@@ -182,11 +190,15 @@ async def load_weights(request: Request) -> JSONResponse:
         raise RequestError(f"version {error}", param="version")
     assert isinstance(version, int)  # what policy_version_error accepts
     try:
-        params = await asyncio.to_thread(loader, path)
+        if fetch:
+            params = await asyncio.to_thread(with_fetched, fields, loader)
+        else:
+            params = await asyncio.to_thread(loader, str(path))
         await asyncio.to_thread(backend.engine.swap_params, params, version)
     except Exception as err:  # any failure to load leaves the served weights as they were
         raise RequestError(
-            f"cannot load weights from {path!r:.300}: {type(err).__name__}: {err!s:.500}",
+            f"cannot load weights from {fields.get('url') or path!r:.300}: "
+            f"{type(err).__name__}: {err!s:.500}",
             param="path",
         ) from err
     return JSONResponse({"version": backend.engine.version})

@@ -1,7 +1,9 @@
 """A FAKE Kubernetes API server for tests: no real cluster exists on the test machines.
 
 It speaks just the batch/v1 Jobs endpoints (create, get, list, watch, delete) and the core/v1 Pods
-endpoints (list, log) that `KubernetesLauncher` calls through the official client, over real HTTP.
+endpoints (list, log) that `KubernetesLauncher` calls through the official client, over real HTTP,
+and lists the discovery.k8s.io/v1 EndpointSlices a test adds (`add_endpoint_slice`): a Service's
+replicas, which weight sync reads.
 Like a real API server it refuses a body that does not match the Kubernetes 1.33 OpenAPI schema
 (strict: an unknown field such as `containerz` too) with 422 Invalid. It plays the Job controller
 and kubelet too: each created Job gets an outcome chosen by the test (`complete`, `fail`,
@@ -35,7 +37,7 @@ from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
 K8S_VERSION = "1.33"
-ROUTES = ("create", "get", "list", "watch", "delete", "pods", "log")
+ROUTES = ("create", "get", "list", "watch", "delete", "pods", "log", "endpointslices")
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ class FakeKube:
         self.events: list[tuple[int, str, dict[str, Any]]] = []  # (resourceVersion, type, job)
         self.created: list[tuple[float, dict[str, Any]]] = []  # (time, body) of every accepted Job
         self.deleted: list[str] = []
+        self.endpoint_slices: list[dict[str, Any]] = []  # as add_endpoint_slice made them
         self.max_alive = 0
         self.fail_next_creates = 0  # answer this many creates with 503 first
         self.faults: dict[str, list[Fault]] = {route: [] for route in ROUTES}
@@ -248,6 +251,35 @@ class FakeKube:
                 return
             self._server = ThreadingHTTPServer(("127.0.0.1", self._port), _handler(self))
             threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def add_endpoint_slice(
+        self, namespace: str, service: str, endpoints: list[tuple[str, bool | None]], port: int
+    ) -> dict[str, Any]:
+        """One EndpointSlice of `service`, as the EndpointSlice controller writes it: each
+        (address, ready) an endpoint (ready None: the condition left out). Schema-checked."""
+        piece: dict[str, Any] = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{service}-{uuid.uuid4().hex[:5]}",
+                "namespace": namespace,
+                "labels": {"kubernetes.io/service-name": service},
+            },
+            "addressType": "IPv4",
+            "endpoints": [
+                {"addresses": [ip], "conditions": {} if ready is None else {"ready": ready}}
+                for ip, ready in endpoints
+            ],
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        }
+        invalid = schema_error(piece, "io.k8s.api.discovery.v1.EndpointSlice")
+        if invalid:
+            raise ValueError(f"EndpointSlice is invalid: {invalid}")
+        with self.cond:
+            self.rv += 1
+            piece["metadata"]["resourceVersion"] = str(self.rv)
+            self.endpoint_slices.append(piece)
+        return piece
 
     # -- cluster behaviour ------------------------------------------------------------------
     def _emit(self, kind: str, job: dict[str, Any]) -> None:
@@ -413,6 +445,8 @@ def _route(method: str, parts: list[str], query: dict[str, str]) -> str | None:
             return {"POST": "create", "GET": "watch" if watch else "list"}.get(method)
         if len(parts) == 7:
             return {"GET": "get", "DELETE": "delete"}.get(method)
+    if parts[:3] == ["apis", "discovery.k8s.io", "v1"] and parts[5:] == ["endpointslices"]:
+        return "endpointslices" if method == "GET" else None
     if parts[:2] == ["api", "v1"] and len(parts) >= 5 and parts[4] == "pods" and method == "GET":
         if len(parts) == 5:
             return "pods"
@@ -520,6 +554,12 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                 with kube.cond:
                     items = [p for p in kube.pods.values() if _matches(p, q.get("labelSelector"))]
                 return 200, {"kind": "PodList", "apiVersion": "v1",
+                             "metadata": {"resourceVersion": str(kube.rv)}, "items": items}, "application/json"  # fmt: skip
+            if route == "endpointslices":
+                with kube.cond:
+                    items = [e for e in kube.endpoint_slices if e["metadata"]["namespace"] == parts[4]
+                             and _matches(e, q.get("labelSelector"))]  # fmt: skip
+                return 200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
                              "metadata": {"resourceVersion": str(kube.rv)}, "items": items}, "application/json"  # fmt: skip
             if route == "log":
                 log = kube.logs.get(parts[5])
