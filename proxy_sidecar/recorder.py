@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from harnessrl.traces.schema import CallRecord, InlineWrites, TraceStore
+from harnessrl.traces.sql import StoreUnavailable
 from harnessrl.traces.sqlite import is_busy
 
 log = logging.getLogger("proxy_sidecar.recorder")
@@ -126,8 +127,10 @@ class Recorder:
             results = list(self.store.add_calls([call for call, _ in batch]))
             self.commits += 1
         except Exception as err:
-            if is_busy(err):  # waited the store's whole busy timeout: a retry would wait again
-                log.error("trace store stayed locked; %d call(s) not recorded: %s", len(batch), err)
+            # Waited the store's whole busy timeout, or its server stayed unreachable past the
+            # reconnect budget: a retry of each call would wait again.
+            if is_busy(err) or isinstance(err, StoreUnavailable):
+                log.error("trace store unavailable; %d call(s) not recorded: %s", len(batch), err)
                 return [err] * len(batch)
             # One bad record must not fail its neighbours: retry them one by one.
             results = []

@@ -3,6 +3,8 @@
 In: records from the sidecar and the launcher. Out: the `TraceStore` protocol implemented over a
 DB-API connection. Subclasses supply the connection, the transaction and how a rollout's next
 sequence numbers are reserved; the statements use `?` and are rewritten once for other drivers.
+Every write is one function of a cursor run by `_write`, every read one run by `_read`, so a store
+whose connection can be lost (PostgreSQL) can run either again on a new connection.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from harnessrl.traces import rows
 from harnessrl.traces.schema import (
@@ -22,8 +24,15 @@ from harnessrl.traces.schema import (
     check_transition,
 )
 
+T = TypeVar("T")
+
 _CALL_COLS = ", ".join(rows.CALL_COLUMNS)
 _ROLLOUT_COLS = ", ".join(rows.ROLLOUT_COLUMNS)
+
+
+class StoreUnavailable(ConnectionError):
+    """The store's server could not be reached within its reconnect budget; nothing was written
+    (or, for a write whose outcome stayed unknown, it may have been: the message says which)."""
 
 
 def schema(types: Mapping[str, str], call_id: str) -> list[str]:
@@ -91,6 +100,16 @@ class SQLStoreBase:
     def _close_connection(self) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def _write(self, body: Callable[[Any], T]) -> T:
+        """`body(cursor)` in one write transaction; its result once the transaction committed."""
+        with self._locked(), self._transaction() as cur:
+            return body(cur)
+
+    def _read(self, body: Callable[[Any], T]) -> T:
+        """`body(cursor)` outside any write transaction."""
+        with self._locked():
+            return body(self._cursor())
+
     # --- calls -------------------------------------------------------------------------------
     def add_call(self, call: CallRecord) -> int:
         return self.add_calls([call])[0]
@@ -103,7 +122,8 @@ class SQLStoreBase:
         counts: dict[str, int] = {}
         for call in calls:
             counts[call.rollout_id] = counts.get(call.rollout_id, 0) + 1
-        with self._locked(), self._transaction() as cur:
+
+        def insert(cur: Any) -> list[int]:
             nxt = {rid: self._reserve_seqs(cur, rid, n) for rid, n in counts.items()}
             seqs = []
             for call in calls:
@@ -113,7 +133,9 @@ class SQLStoreBase:
                 self._sql["insert_call"],
                 [rows.call_to_row(c, s) for c, s in zip(calls, seqs, strict=True)],
             )
-        return seqs
+            return seqs
+
+        return self._write(insert)
 
     def calls(self, rollout_id: str) -> list[CallRecord]:
         return [rows.row_to_call(r) for r in self._fetch("calls", rollout_id)]
@@ -131,13 +153,16 @@ class SQLStoreBase:
         row = list(rows.rollout_to_row(rollout))
         row[8] = rollout.created_at or now
         row[9] = rollout.updated_at or now
-        with self._locked(), self._transaction() as cur:
+
+        def insert(cur: Any) -> None:
             cur.execute(self._sql["insert_rollout"], row)
             if cur.rowcount == 0:
                 raise ValueError(
                     f"rollout {rollout.rollout_id!r} already exists; use a new rollout_id "
                     "(attempts of one task differ by rollout_id and attempt)"
                 )
+
+        self._write(insert)
 
     def rollout(self, rollout_id: str) -> RolloutRecord:
         found = self._fetch("rollout", rollout_id)
@@ -159,7 +184,8 @@ class SQLStoreBase:
                 f"state must be one of {[s.value for s in RolloutState]}, got {state!r}"
             ) from err
         fields = rows.check_fields(fields)
-        with self._locked(), self._transaction() as cur:
+
+        def update(cur: Any) -> None:
             cur.execute(self._sql["rollout"] + self.for_update, (rollout_id,))
             row = cur.fetchone()
             if row is None:
@@ -174,14 +200,19 @@ class SQLStoreBase:
                 self._sql["update_rollout"],
                 (target.value, reward, exit_code, rows.dumps(info), now, rollout_id),
             )
+
+        self._write(update)
         return self.rollout(rollout_id)
 
     def set_reward(self, rollout_id: str, reward: float) -> RolloutRecord:
         value = rows.check_reward(reward)
-        with self._locked(), self._transaction() as cur:
+
+        def update(cur: Any) -> None:
             cur.execute(self._sql["set_reward"], (value, time.time(), rollout_id))
             if cur.rowcount == 0:
                 raise UnknownRollout(rollout_id)
+
+        self._write(update)
         return self.rollout(rollout_id)
 
     def close(self) -> None:
@@ -200,18 +231,23 @@ class SQLStoreBase:
             raise ValueError(f"select() runs one SELECT statement, got {sql!r:.80}")
         if self.placeholder != "?":
             sql = sql.replace("?", self.placeholder)
-        with self._locked():
-            cur = self._cursor()
-            cur.execute(sql, tuple(args))
+        query = sql
+
+        def run(cur: Any) -> list[tuple[Any, ...]]:
+            cur.execute(query, tuple(args))
             return [tuple(r) for r in cur.fetchall()]
+
+        return self._read(run)
 
     # --- helpers -----------------------------------------------------------------------------
     def _fetch(self, statement: str, *args: Any) -> list[Any]:
         """Every row one of the read statements returns (outside any write transaction)."""
-        with self._locked():
-            cur = self._cursor()
+
+        def run(cur: Any) -> list[Any]:
             cur.execute(self._sql[statement], args)
             return list(cur.fetchall())
+
+        return self._read(run)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from pg_cluster import pg_dsn, pg_server  # noqa: F401  (fixtures)
+from pg_cluster import pg_ctl, pg_dsn, pg_server  # noqa: F401  (fixtures)
 
 from harnessrl.traces.postgres import PostgresTraceStore
 from harnessrl.traces.sqlite import SQLiteTraceStore
