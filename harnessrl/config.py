@@ -295,7 +295,8 @@ def _check_min(key: str, value: Any, low: int) -> None:
 
 
 def recipe_settings(spec: str) -> Pairs:
-    """The train settings a `tpu_configs` recipe carries: mesh, buckets, dtypes, remat, budget.
+    """The train settings a `tpu_configs` recipe carries: mesh, buckets, dtypes, remat, ZeRO-3,
+    budget.
 
     Devices are checked later, when the learner builds the mesh on the machine that runs it.
     """
@@ -310,6 +311,7 @@ def recipe_settings(spec: str) -> Pairs:
         ("learner.compute_dtype", recipe.compute_dtype),
         ("learner.param_dtype", recipe.param_dtype),
         ("learner.remat", recipe.remat),
+        ("learner.zero3", recipe.zero3),
     ]
 
 

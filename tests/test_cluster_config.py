@@ -66,7 +66,7 @@ def test_rows_that_cannot_split_are_refused_at_load(tmp_path: Path) -> None:
     message = str(err.value)
     assert "data.buckets=[[4, 2048]]" in message and "learner.mesh=v5e-32" in message
     assert "multiples of data*fsdp=32 and of its 8 process(es)" in message
-    assert "[[32, 8192], [64, 4096], [128, 2048]]" in message  # what to change it to
+    assert "[[32, 3072], [64, 1536], [128, 768]]" in message  # what to change it to
     cfg = load_config(f, ["learner.mesh=v5e-32", STORE, IMAGE, "data.buckets=[[64,2048]]"])
     assert cfg.data.buckets == ((64, 2048),)
 

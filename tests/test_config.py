@@ -268,13 +268,14 @@ def test_every_recipe_is_a_full_preset(name: str) -> None:
         assert cfg.learner.compute_dtype == raw["compute_dtype"]
         assert cfg.learner.param_dtype == raw["param_dtype"]
         assert cfg.learner.remat is raw["remat"]
+        assert cfg.learner.zero3 is raw["zero3"]
         # Everything else stays the embedded defaults.
         assert cfg.run == TrainConfig().run and cfg.serve == TrainConfig().serve
 
 
 def test_v5e_32_alone_yields_its_recipe_and_the_user_wins() -> None:
     cfg = parse_args(["--mesh", "v5e-32"], PROG, "")
-    assert cfg.data.buckets == ((32, 8192), (64, 4096), (128, 2048))
+    assert cfg.data.buckets == ((32, 3072), (64, 1536), (128, 768))
     assert (cfg.learner.compute_dtype, cfg.learner.param_dtype) == ("bfloat16", "float32")
     assert cfg.learner.remat is True and cfg.data.step_token_budget == 4194304
     mine = parse_args(

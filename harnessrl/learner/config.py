@@ -21,6 +21,7 @@ class LearnerConfig:
     compute_dtype: str = "float32"  # matmul dtype; norms, softmax and logits stay float32
     param_dtype: str = "float32"  # storage dtype of params (optimizer moments follow)
     remat: bool = False  # recompute each layer's activations in the backward pass
+    zero3: bool = False  # shard params, gradients and optimizer state over data x fsdp (ZeRO-3)
     # Layers per iteration of the layer scan. None: all of them on CPU hosts, where the unrolled
     # program measured a 13% faster SmolLM2 step for a 1.3x longer compile; 1 on accelerators,
     # where deep models make compile time matter more (not measured there).

@@ -41,6 +41,24 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("layers", None),
 )
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+
+def logical_axis_rules(zero3: bool = False) -> Rules:
+    """THE table, or its ZeRO-3 variant, derived from it: every axis that shards over `fsdp`
+    shards over `(data, fsdp)` instead.
+
+    Only parameter axes (`embed`) map to `fsdp` alone, so the variant spreads params, their
+    gradients and the optimizer state over all data x fsdp chips; the `batch` rule already uses
+    both axes and activations keep their layout (a mesh axis is used once per array).
+    """
+    if not zero3:
+        return LOGICAL_AXIS_RULES
+    return tuple(
+        (name, ("data", "fsdp") if target == "fsdp" else target)
+        for name, target in LOGICAL_AXIS_RULES
+    )
+
 
 # Named shapes for --mesh; -1 takes whatever devices are left.
 MESH_PRESETS: dict[str, dict[str, int]] = {
@@ -72,6 +90,10 @@ class SliceConfig:
     compute_dtype: str
     param_dtype: str
     remat: bool  # recompute each layer's activations in the backward pass
+    zero3: bool  # shard params, gradients and optimizer state over data x fsdp, not fsdp alone
+    chip_memory_gib: float  # memory of one chip (HBM); 0: unknown (CPU hosts), not checked
+    # Named model shapes (harnessrl.learner.plan) this recipe is sized for: they must fit.
+    sized_for: tuple[str, ...]
 
     @property
     def num_devices(self) -> int:
@@ -290,9 +312,9 @@ def init_distributed(env: Mapping[str, str] | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh) -> Iterator[None]:
-    """Run under `mesh` with THE rules table handed to the model (params, constraints, loads)."""
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_AXIS_RULES):
+def use_mesh(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Iterator[None]:
+    """Run under `mesh` with THE rules table (or its ZeRO-3 variant) handed to the model."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         yield
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from harnessrl.learner.mesh import LOGICAL_AXIS_RULES
+from harnessrl.learner.mesh import LOGICAL_AXIS_RULES, Rules
 from harnessrl.model.sharding import logical_to_spec
 
 
@@ -78,16 +78,17 @@ def split_model(
     return ModelParts(graphdef, rest, jax.tree.structure(state), logical), params
 
 
-def param_shardings(parts: ModelParts, params: Any, mesh: Mesh) -> Any:
-    """`NamedSharding` per param through THE rules table; a dimension its axes cannot split stays whole."""
+def param_shardings(
+    parts: ModelParts, params: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES
+) -> Any:
+    """`NamedSharding` per param through THE rules table (or its ZeRO-3 variant, `rules`); a
+    dimension its axes cannot split stays whole."""
     leaves, treedef = jax.tree.flatten(params)
     shardings = []
     for leaf, names in zip(leaves, parts.logical, strict=True):
         shape = np.shape(leaf)
         axes = names if names else (None,) * len(shape)
-        shardings.append(
-            NamedSharding(mesh, logical_to_spec(axes, LOGICAL_AXIS_RULES, shape, mesh))
-        )
+        shardings.append(NamedSharding(mesh, logical_to_spec(axes, rules, shape, mesh)))
     return jax.tree.unflatten(treedef, shardings)
 
 

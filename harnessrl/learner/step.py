@@ -25,7 +25,7 @@ from harnessrl.data.pack import PackedBatch
 from harnessrl.learner import losses
 from harnessrl.learner.checkpoint import Checkpointer
 from harnessrl.learner.config import LearnerConfig
-from harnessrl.learner.mesh import batch_sharding, make_mesh, use_mesh
+from harnessrl.learner.mesh import batch_sharding, logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.optimizer import make_optimizer, make_schedule, opt_state_shardings
 from harnessrl.learner.params import (
     abstract_like,
@@ -64,7 +64,9 @@ class Learner:
         self.parts, params = split_model(
             model, cfg.compute_dtype, cfg.param_dtype, cfg.remat, scan_unroll(cfg, model)
         )
-        self.param_shardings = param_shardings(self.parts, params, self.mesh)
+        # Gradient accumulators and optimizer moments take these shardings too (below).
+        self.rules = logical_axis_rules(cfg.zero3)
+        self.param_shardings = param_shardings(self.parts, params, self.mesh, self.rules)
         self.optimizer = make_optimizer(cfg)
         self._schedule = make_schedule(cfg)
         abstract_params = abstract_like(params, self.param_shardings)
@@ -81,7 +83,7 @@ class Learner:
         self.params = place(params, self.param_shardings)
         # The frozen reference is held only when its KL term is on (chosen here, not in jit).
         self.ref_params = place(params, self.param_shardings) if cfg.kl_coef else None
-        with use_mesh(self.mesh):
+        with use_mesh(self.mesh, self.rules):
             self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
                 self.params
             )
@@ -185,7 +187,7 @@ class Learner:
         # Check every micro-batch before the first one touches the accumulators, so a bad one
         # cannot leave half a step's gradient behind for the next step.
         checked = [self._check(batch) for batch in batches]
-        with use_mesh(self.mesh):
+        with use_mesh(self.mesh, self.rules):
             for batch in checked:
                 self._grads, self._sums = self._micro(
                     self.params, self.ref_params, self._grads, self._sums, self._put(batch)

@@ -17,6 +17,26 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
 }
 DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Published checkpoints' shapes by name, as their HF config.json fields: enough to size a run
+# (`harnessrl.learner.plan`) without the weights.
+HF_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
