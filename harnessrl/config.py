@@ -89,10 +89,17 @@ class RolloutConfig:
     # Trace store URL; "" = SQLite in out_dir. Kubernetes: the postgresql:// URL the harness
     # pods' sidecars also write to (Secret harnessrl-store).
     store: str = ""
-    # Inference servers, comma-separated; "" = the embedded server in this process. Otherwise
-    # each push exports the weights to out_dir/weights (shared storage) and the servers load them.
+    # Inference servers, comma-separated, or k8s://NAMESPACE/SERVICE:PORT (every ready replica of
+    # that Service, looked up at each push); "" = the embedded server in this process. Otherwise
+    # each push exports the weights to out_dir/weights and every server loads them.
     servers: str = ""
     weight_sync: str = "vllm"  # with servers: vllm (started with VLLM_SERVER_DEV_MODE=1) | embedded
+    # with servers: shared (each server reads out_dir/weights from shared storage) | http (every
+    # server fetches the export from this process at once, docs/howto-vllm.md)
+    weight_push: str = "shared"
+    # weight_push=http: HOST:PORT the servers reach this process at (e.g. its pod IP and a free
+    # port); "" = 127.0.0.1 on a free port
+    weight_push_address: str = ""
     # builtin:addition, a JSONL task file, or coding tasks: coding:shipped (the HumanEval bug
     # set) or coding:PATH (SWE-bench/SWE-smith JSONL, a task folder or a folder of them)
     tasks: str = "builtin:addition"
@@ -128,6 +135,7 @@ class RolloutConfig:
                 f"or pick another evaluator (rollout.tasks is {self.tasks!r})"
             )
         _check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _check_choice("rollout.weight_push", self.weight_push, ("shared", "http"))
         _check_choice("rollout.posted_reward", self.posted_reward, tuple(POSTED_REWARD))
         if self.launcher == "kubernetes":
             if not self.kubernetes.image:
