@@ -39,6 +39,7 @@ from harnessrl.fleet import (
 )
 from harnessrl.learner.hosts import LeadLearner, follow
 from harnessrl.learner.mesh import init_distributed
+from harnessrl.learner.plan import check_fits
 from harnessrl.learner.step import Learner
 from harnessrl.model.load import load_policy
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics
@@ -241,9 +242,8 @@ def start_serving(cfg: TrainConfig, model: Any, tokenizer: Any, out: Path) -> Se
     if r.servers:
         export_root = (out / "weights").absolute()
         return remote_serving(
-            r.servers, r.weight_sync, export_root, tokenizer, cfg.serve.admin_token,
-            r.weight_push, r.weight_push_address,
-        )  # fmt: skip
+            r.servers, r.weight_sync, export_root, tokenizer, cfg.serve.admin_token
+        )
     return EmbeddedServing(start_server(copy_model(model), tokenizer, cfg.serve))
 
 
@@ -505,6 +505,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
     try:
         if cfg.rollout.evaluator != "coding":  # built from the coding tasks, at setup
             get_evaluator(cfg.rollout.evaluator)  # a user's module:function must import, now
+        # A run whose state and activations cannot fit its recipe's chips stops before any load.
+        check_fits(cfg.serve.model, cfg.learner, cfg.data.buckets)
     except ValueError as err:
         fail(prog, err)
     return cfg
