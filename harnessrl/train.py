@@ -242,8 +242,9 @@ def start_serving(cfg: TrainConfig, model: Any, tokenizer: Any, out: Path) -> Se
     if r.servers:
         export_root = (out / "weights").absolute()
         return remote_serving(
-            r.servers, r.weight_sync, export_root, tokenizer, cfg.serve.admin_token
-        )
+            r.servers, r.weight_sync, export_root, tokenizer, cfg.serve.admin_token,
+            r.weight_push, r.weight_push_address,
+        )  # fmt: skip
     return EmbeddedServing(start_server(copy_model(model), tokenizer, cfg.serve))
 
 
