@@ -31,7 +31,13 @@ from harnessrl.rollout.k8s_api import (
 from harnessrl.rollout.tasks import RunResult, RunSpec, Task, load_tasks
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.control import rollout_url
-from proxy_sidecar.inject.webhook import ROLLOUT_ANNOTATION, SidecarSpec, sidecar_container
+from proxy_sidecar.inject.webhook import (
+    ROLLOUT_ANNOTATION,
+    SIDECAR_LABEL,
+    SidecarSpec,
+    sidecar_container,
+    sidecar_volumes,
+)
 
 TASK_ANNOTATION = "harnessrl.io/task"
 BATCH_LABEL = "harnessrl.io/batch"
@@ -171,6 +177,7 @@ def job_manifest(
         "harnessrl.io/task": label_value(spec.task.task_id),
         "harnessrl.io/group": label_value(spec.group_id),
         BATCH_LABEL: label_value(batch),
+        SIDECAR_LABEL: "true",  # the NetworkPolicies of k8s/base admit it to vLLM and the store
     }
     annotations = {
         ROLLOUT_ANNOTATION: spec.rollout_id,
@@ -193,7 +200,8 @@ def job_manifest(
             {
                 "name": "task",
                 "downwardAPI": {"items": [{"path": "task.json", "fieldRef": task_ref}]},
-            }
+            },
+            *sidecar_volumes(cfg.sidecar),  # the sidecar's tokenizer folder, read-only
         ],
     }
     pod_annotations = {**annotations, TASK_ANNOTATION: json.dumps(spec.task.to_json())}
@@ -576,16 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(job_yaml(specs[0], args.jobs))
         return 0
     for r in KubernetesLauncher(args.jobs).run(specs):
-        print(
-            json.dumps(
-                {
-                    "rollout_id": r.rollout_id,
-                    "state": str(r.state),
-                    "exit_code": r.exit_code,
-                    "output": r.output,
-                }
-            )
-        )
+        fields = {"rollout_id": r.rollout_id, "state": str(r.state), "exit_code": r.exit_code}
+        print(json.dumps({**fields, "output": r.output}))
     return 0
 
 

@@ -23,6 +23,11 @@ INJECT_LABEL = "harnessrl.io/inject"
 ROLLOUT_ANNOTATION = "harnessrl.io/rollout-id"
 INJECTED_ANNOTATION = "harnessrl.io/injected"
 SIDECAR_NAME = "harnessrl-sidecar"
+# Every pod with a capture sidecar: the NetworkPolicies of k8s/base admit these to vLLM and the
+# store, and only the train run to their sidecar's port.
+SIDECAR_LABEL = "harnessrl.io/sidecar"
+SHARED_VOLUME = "harnessrl-sidecar-shared"
+UPSTREAM_KEY_ENV = "HARNESSRL_UPSTREAM_API_KEY"
 DEFAULT_IMAGE = "ghcr.io/harnessrl/harnessrl:0.1.0"
 
 
@@ -41,6 +46,14 @@ class SidecarSpec:
     # The harness's model name is rewritten to this, whatever it asks for: vLLM 404s any name
     # but its --served-model-name
     model: str = ""  # model name every call is sent upstream with; "": the harness's own
+    # Secret whose key `api-key` the sidecar sends upstream (vLLM's --api-key); mounted into the
+    # sidecar only, so the harness beside it cannot call the server uncaptured. "": none
+    upstream_key_secret: str = ""
+    # token-in mode's tokenizer (/v1/responses, /v1/messages): tiny, smollm2, or an HF folder
+    # under shared_path on shared_claim; "": token-in off
+    tokenizer: str = ""
+    shared_claim: str = ""  # PVC mounted read-only at shared_path into the sidecar; "": none
+    shared_path: str = "/shared"  # where the sidecar sees shared_claim
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image:
@@ -59,6 +72,17 @@ class SidecarSpec:
                 raise ValueError(
                     f"SidecarSpec.{name} must name a Secret, got {getattr(self, name)!r}"
                 )
+        if not self.sees(self.tokenizer):
+            raise ValueError(
+                f"SidecarSpec.tokenizer {self.tokenizer!r} is a folder the sidecar can read only "
+                f"from the shared volume: put it under shared_path ({self.shared_path!r}) and set "
+                f"shared_claim to the PVC that holds it (got {self.shared_claim!r})"
+            )
+
+    def sees(self, tokenizer: str) -> bool:
+        """Whether the sidecar can load `tokenizer`: a name, or a folder on its shared claim."""
+        under = tokenizer.startswith(self.shared_path.rstrip("/") + "/")
+        return not tokenizer.startswith("/") or bool(under and self.shared_claim)
 
     @property
     def url(self) -> str:
@@ -76,6 +100,15 @@ def sidecar_container(
 
     `rollout_field` is the pod field (downward API) that names the rollout of plain /v1 calls.
     """
+    env = [
+        _secret_env("HARNESSRL_STORE_URL", spec.store_secret, "url"),
+        _secret_env("HARNESSRL_CONTROL_TOKEN", spec.control_secret, "token"),
+        # The default rollout for plain /v1 calls: one harness per pod.
+        {"name": "HARNESSRL_ROLLOUT_ID", "valueFrom": {"fieldRef": {"fieldPath": rollout_field}}},
+    ]
+    if spec.upstream_key_secret:
+        env.append(_secret_env(UPSTREAM_KEY_ENV, spec.upstream_key_secret, "api-key"))
+    mounts = [{"name": SHARED_VOLUME, "mountPath": spec.shared_path, "readOnly": True}]
     return {
         "name": SIDECAR_NAME,
         "image": spec.image,
@@ -86,16 +119,10 @@ def sidecar_container(
             *("--upstream", spec.upstream, "--store", "$(HARNESSRL_STORE_URL)"),
             *("--host", "0.0.0.0", "--port", str(spec.port)),
             *(("--model", spec.model) if spec.model else ()),
+            *(("--tokenizer", spec.tokenizer) if spec.tokenizer else ()),
         ],
-        "env": [
-            _secret_env("HARNESSRL_STORE_URL", spec.store_secret, "url"),
-            _secret_env("HARNESSRL_CONTROL_TOKEN", spec.control_secret, "token"),
-            {
-                # The default rollout for plain /v1 calls: one harness per pod.
-                "name": "HARNESSRL_ROLLOUT_ID",
-                "valueFrom": {"fieldRef": {"fieldPath": rollout_field}},
-            },
-        ],
+        "env": env,
+        **({"volumeMounts": mounts} if spec.shared_claim else {}),
         "ports": [{"name": "sidecar", "containerPort": spec.port, "protocol": "TCP"}],
         # The harness starts only once this probe passes, so its first call finds the proxy up.
         "startupProbe": {
@@ -113,6 +140,48 @@ def sidecar_container(
 
 def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def sidecar_volumes(spec: SidecarSpec) -> list[dict[str, Any]]:
+    """The pod volumes the sidecar mounts: the shared claim (read-only), where its tokenizer is."""
+    if not spec.shared_claim:
+        return []
+    claim = {"claimName": spec.shared_claim, "readOnly": True}
+    return [{"name": SHARED_VOLUME, "persistentVolumeClaim": claim}]
+
+
+def _list(items: Any) -> list[Any]:
+    return items if isinstance(items, list) else []
+
+
+def _objects(items: Any) -> list[dict[str, Any]]:
+    return [i for i in _list(items) if isinstance(i, dict)]
+
+
+def secret_readers(pod_spec: dict[str, Any], secret: str) -> list[str]:
+    """Containers other than the sidecar that could read `secret`: through env, envFrom or a
+    volume (secret or projected) they mount. The harness must never hold the upstream key."""
+    volumes = {
+        v.get("name")
+        for v in _objects(pod_spec.get("volumes"))
+        if (v.get("secret") or {}).get("secretName") == secret
+        or any(
+            (s.get("secret") or {}).get("name") == secret
+            for s in (v.get("projected") or {}).get("sources") or []
+        )
+    }
+    out = []
+    for c in _objects(pod_spec.get("initContainers")) + _objects(pod_spec.get("containers")):
+        if c.get("name") == SIDECAR_NAME:
+            continue
+        refs = [
+            (e.get("valueFrom") or {}).get("secretKeyRef") or {} for e in _objects(c.get("env"))
+        ]
+        refs += [e.get("secretRef") or {} for e in _objects(c.get("envFrom"))]
+        mounts = {m.get("name") for m in _objects(c.get("volumeMounts"))}
+        if any(r.get("name") == secret for r in refs) or mounts & volumes:
+            out.append(str(c.get("name")))
+    return out
 
 
 def harness_env(spec: SidecarSpec, rollout_id: str | None = None) -> list[dict[str, str]]:
@@ -137,7 +206,12 @@ def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
     pod_spec = pod.get("spec")
     if not isinstance(pod_spec, dict) or not isinstance(pod_spec.get("containers"), list):
         raise ValueError("pod has no spec.containers list")
-    ops: list[dict[str, Any]] = []
+    if pod_spec.get("shareProcessNamespace"):
+        raise ValueError(
+            "shareProcessNamespace would let the harness read the sidecar's secrets from /proc; "
+            "remove it from the pod"
+        )
+    ops = _token_ops(pod_spec)  # first: removals by index, before anything shifts them
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     # Without an explicit rollout id each pod is its own rollout, named after the pod (unique in
     # its namespace; known only at run time for generateName pods, hence the downward API).
@@ -155,6 +229,14 @@ def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
         if not isinstance(container, dict):
             raise ValueError(f"pod spec.containers[{i}] is not an object")
         ops.extend(_env_ops(f"/spec/containers/{i}", container.get("env"), spec))
+    secrets = (spec.store_secret, spec.control_secret, spec.upstream_key_secret)
+    for secret in filter(None, secrets):  # checked once the containers are known to be objects
+        if readers := secret_readers(pod_spec, secret):
+            raise ValueError(
+                f"containers {readers} read Secret {secret!r}, which only the capture sidecar "
+                "may hold (a harness with it could bypass or forge the capture); remove that"
+            )
+    ops.extend(_pod_ops(pod, spec))
     if ops:
         ops.extend(_annotation_ops(pod))
     return ops
@@ -179,13 +261,66 @@ def _env_ops(path: str, env: Any, spec: SidecarSpec) -> list[dict[str, Any]]:
     return ops
 
 
+def _token_ops(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Remove the API token the ServiceAccount admission plugin mounted before this webhook ran
+    (automountServiceAccountToken: false comes too late to stop it)."""
+    volumes = pod_spec.get("volumes")
+    if not isinstance(volumes, list):
+        return []
+    tokens = {
+        v.get("name"): i
+        for i, v in enumerate(volumes)
+        if isinstance(v, dict)
+        and any(
+            "serviceAccountToken" in s for s in _objects((v.get("projected") or {}).get("sources"))
+        )
+    }
+    ops = []
+    for kind in ("initContainers", "containers"):
+        containers = pod_spec.get(kind)
+        for i, c in enumerate(containers if isinstance(containers, list) else []):
+            mounts = c.get("volumeMounts") if isinstance(c, dict) else None
+            named = [isinstance(m, dict) and m.get("name") in tokens for m in _list(mounts)]
+            for j in reversed([j for j, hit in enumerate(named) if hit]):
+                ops.append({"op": "remove", "path": f"/spec/{kind}/{i}/volumeMounts/{j}"})
+    for i in sorted(tokens.values(), reverse=True):
+        ops.append({"op": "remove", "path": f"/spec/volumes/{i}"})
+    return ops
+
+
+def _pod_ops(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
+    """The sidecar's volumes, the label the NetworkPolicies select, and no API token: the harness
+    must not read the sidecar's Secrets through the API server."""
+    pod_spec, ops = pod["spec"], []
+    volumes = pod_spec.get("volumes")
+    names = {v.get("name") for v in _objects(volumes)}
+    for volume in sidecar_volumes(spec):
+        if volumes is None:
+            ops.append({"op": "add", "path": "/spec/volumes", "value": [volume]})
+            volumes = [volume]
+        elif volume["name"] not in names:
+            ops.append({"op": "add", "path": "/spec/volumes/-", "value": volume})
+    if pod_spec.get("automountServiceAccountToken") is not False:
+        ops.append({"op": "add", "path": "/spec/automountServiceAccountToken", "value": False})
+    labels = pod.get("metadata", {}).get("labels")  # owns(): the inject label is there
+    if labels.get(SIDECAR_LABEL) != "true":
+        ops.append(
+            {"op": "add", "path": f"/metadata/labels/{_escape(SIDECAR_LABEL)}", "value": "true"}
+        )
+    return ops
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")  # RFC 6901
+
+
 def _annotation_ops(pod: dict[str, Any]) -> list[dict[str, Any]]:
     meta = pod.get("metadata") or {}
     note = {INJECTED_ANNOTATION: SIDECAR_NAME}
     if not isinstance(meta.get("annotations"), dict):
         return [{"op": "add", "path": "/metadata/annotations", "value": note}]
-    key = INJECTED_ANNOTATION.replace("~", "~0").replace("/", "~1")  # RFC 6901 escaping
-    return [{"op": "add", "path": f"/metadata/annotations/{key}", "value": SIDECAR_NAME}]
+    path = f"/metadata/annotations/{_escape(INJECTED_ANNOTATION)}"
+    return [{"op": "add", "path": path, "value": SIDECAR_NAME}]
 
 
 def review_response(review: Any, spec: SidecarSpec) -> dict[str, Any]:
@@ -239,7 +374,8 @@ def create_app(spec: SidecarSpec) -> Starlette:
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SidecarSpec]:
+    """The webhook's flags, and the sidecar they inject."""
     ap = argparse.ArgumentParser(
         prog="python -m proxy_sidecar.inject.webhook",
         description="harnessrl sidecar injection webhook",
@@ -254,6 +390,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-secret", default=SidecarSpec.store_secret)
     ap.add_argument("--control-secret", default=SidecarSpec.control_secret)
     ap.add_argument("--model", default="", help="model name the sidecar sends upstream")
+    ap.add_argument("--upstream-key-secret", default="", help="Secret with the upstream's api-key")
+    ap.add_argument("--tokenizer", default="", help="token-in mode's tokenizer (or HF folder)")
+    ap.add_argument("--shared-claim", default="", help="PVC mounted read-only into the sidecar")
+    ap.add_argument("--shared-path", default=SidecarSpec.shared_path, help="where it is mounted")
     args = ap.parse_args(argv)
     spec = SidecarSpec(
         image=args.sidecar_image,
@@ -262,7 +402,16 @@ def main(argv: list[str] | None = None) -> None:
         store_secret=args.store_secret,
         control_secret=args.control_secret,
         model=args.model,
+        upstream_key_secret=args.upstream_key_secret,
+        tokenizer=args.tokenizer,
+        shared_claim=args.shared_claim,
+        shared_path=args.shared_path,
     )
+    return args, spec
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, spec = parse_args(argv)
     import uvicorn
 
     from harnessrl.listener import HttpLimits, server_config
