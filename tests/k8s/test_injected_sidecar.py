@@ -1,9 +1,11 @@
 """The harness pod's sidecar, run exactly as the webhook (or the launcher) configures it.
 
-Its container's command, args and env come from the webhook's patch as the shipped webhook
+Its container's command, args, env and mounts come from the webhook's patch as the shipped webhook
 Deployment's flags build it (and from the launcher's Job as the shipped train config wires it);
 a harness asking for model "default" must reach a server that serves only "policy", as vLLM does
-with the shipped --served-model-name.
+with the shipped --served-model-name, behind the shipped guard that asks every route for vLLM's
+key: only the sidecar holds it. The sidecar serves token-in mode with the tokenizer folder on the
+shared claim.
 """
 
 from __future__ import annotations
@@ -16,28 +18,30 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 import yaml
+from guarded_vllm import KEY, SERVED, GuardedVllm
+from pod_patch import apply_patch
 
 from harnessrl.config import load_config
 from harnessrl.rollout.k8s import job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.traces import open_store
+from harnessrl.traces.schema import EndpointKind
 from harnessrl.train import pod_sidecar
+from proxy_sidecar.dialects.tokens import load_tokenizer
 from proxy_sidecar.inject import webhook
 from proxy_sidecar.inject.webhook import SIDECAR_NAME, review_response
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "k8s" / "base"
-SERVED = "policy"
 TOKEN = "control-token-for-the-test"
 
 
@@ -52,52 +56,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class VllmLike:
-    """A chat endpoint that serves one model name and 404s any other, as vLLM does."""
-
-    def __init__(self) -> None:
-        self.models: list[str] = []
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                owner.models.append(body.get("model"))
-                if body.get("model") != SERVED:
-                    msg = f"The model `{body.get('model')}` does not exist."
-                    answer: dict[str, Any] = {"object": "error", "message": msg, "code": 404}
-                    code = 404
-                else:
-                    code, answer = 200, completion("5")
-                data = json.dumps(answer).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-def completion(text: str) -> dict[str, Any]:
-    return {
-        "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": SERVED,
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": text}}],
-        "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
-    }  # fmt: skip
-
-
 @pytest.fixture
-def vllm() -> Iterator[VllmLike]:
-    server = VllmLike()
+def vllm() -> Iterator[GuardedVllm]:
+    server = GuardedVllm()
     yield server
-    server.server.shutdown()
+    server.stop()
 
 
 def webhook_spec(upstream: str, port: int, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -112,20 +75,33 @@ def webhook_spec(upstream: str, port: int, monkeypatch: pytest.MonkeyPatch) -> A
 
 
 def run_sidecar(
-    container: dict[str, Any], fields: dict[str, str], tmp: Path
+    container: dict[str, Any], pod: dict[str, Any], fields: dict[str, str], tmp: Path
 ) -> subprocess.Popen[bytes]:
-    """Play kubelet: env from the Secrets and the downward API, $(VAR) in args expanded."""
-    secrets = {"url": f"sqlite:///{tmp}/traces.db", "token": TOKEN}
+    """Play kubelet: env from the Secrets and the downward API, $(VAR) in args expanded, each
+    volume the container mounts at its own folder under `tmp` (a claim: `tmp/CLAIM`)."""
+    secrets = {
+        "harnessrl-store": {"url": f"sqlite:///{tmp}/traces.db"},
+        "harnessrl-control": {"token": TOKEN},
+        "harnessrl-vllm": {"api-key": KEY},
+    }
     env: dict[str, str] = {}
     for e in container["env"]:
         ref = e.get("valueFrom", {})
         if "secretKeyRef" in ref:
-            env[e["name"]] = secrets[ref["secretKeyRef"]["key"]]
+            env[e["name"]] = secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
         elif "fieldRef" in ref:  # the pod's own fields (downward API)
             env[e["name"]] = fields[ref["fieldRef"]["fieldPath"]]
         else:
             env[e["name"]] = e["value"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    mounts = {}
+    for m in container.get("volumeMounts", []):
+        claim = volumes[m["name"]]["persistentVolumeClaim"]
+        assert m["readOnly"] and claim["readOnly"], m  # the sidecar only reads the share
+        mounts[m["mountPath"]] = str(tmp / claim["claimName"])
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in container["args"]]
+    for path, local in mounts.items():
+        args = [re.sub(rf"^{re.escape(path)}(?=/|$)", local, a) for a in args]
     assert container["command"][0] == "python"
     argv = [sys.executable, *container["command"][1:], *args]
     log = (tmp / "sidecar.log").open("wb")
@@ -143,6 +119,15 @@ def run_sidecar(
     raise AssertionError("the sidecar never opened its port")
 
 
+def shared_tokenizer(tmp: Path, folder: str) -> None:
+    """The served model's tokenizer, as an HF folder on the shared claim (`folder` under /shared)."""
+    try:
+        tok = load_tokenizer("smollm2")
+    except ValueError as err:
+        pytest.skip(f"needs the shipped SmolLM2 tokenizer: {err}")
+    tok.save(tmp / "harnessrl-shared" / folder.removeprefix("/shared/"))
+
+
 def run_harness(env: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
     values = {e["name"]: e["value"] for e in env if "value" in e}
     argv = [sys.executable, str(ROOT / "examples" / "answer_agent.py"), "--question", "2+3?"]
@@ -158,11 +143,8 @@ def test_shipped_names_agree() -> None:
     assert f"--model={SERVED}" in hook["args"]
 
 
-def test_webhook_injected_sidecar_rewrites_the_model(
-    vllm: VllmLike, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    port = free_port()
-    spec = webhook_spec(vllm.url, port, monkeypatch)
+def injected_pod(spec: Any) -> dict[str, Any]:
+    """A labelled pod as the API server stores it after the webhook's patch."""
     pod = {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "my-harness-0", "labels": {"harnessrl.io/inject": "true"}},
@@ -173,24 +155,74 @@ def test_webhook_injected_sidecar_rewrites_the_model(
         "request": {"uid": "u1", "kind": {"kind": "Pod"}, "operation": "CREATE", "object": pod},
     }  # fmt: skip
     ops = json.loads(base64.b64decode(review_response(review, spec)["response"]["patch"]))
-    (sidecar,) = next(o["value"] for o in ops if o["path"] == "/spec/initContainers")
+    patched: dict[str, Any] = apply_patch(pod, ops)
+    return patched
+
+
+def test_webhook_injected_sidecar_rewrites_the_model_and_holds_the_key(
+    vllm: GuardedVllm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    pod = injected_pod(webhook_spec(vllm.url, port, monkeypatch))
+    (sidecar,) = pod["spec"]["initContainers"]
+    (harness,) = pod["spec"]["containers"]
     assert sidecar["name"] == SIDECAR_NAME
-    (harness_env,) = [o["value"] for o in ops if o["path"] == "/spec/containers/0/env"]
-    proc = run_sidecar(sidecar, {"metadata.name": "my-harness-0"}, tmp_path)
+    shared_tokenizer(tmp_path, "/shared/models/base")  # what the webhook's --tokenizer names
+    proc = run_sidecar(sidecar, pod, {"metadata.name": "my-harness-0"}, tmp_path)
     try:
-        out = run_harness(harness_env)
+        out = run_harness(harness["env"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "5", out.stderr
-    assert vllm.models == [SERVED]
+    # The harness calling vLLM itself, with all it holds: refused.
+    env = {e["name"]: e["value"] for e in harness["env"]}
+    bypass = httpx.post(
+        f"{vllm.url}/v1/chat/completions", timeout=10,
+        headers={"Authorization": f"Bearer {env['OPENAI_API_KEY']}"},
+        json={"model": SERVED, "messages": [{"role": "user", "content": "2+3?"}]},
+    )  # fmt: skip
+    assert bypass.status_code == 401
+    assert [body["model"] for _, body in vllm.calls] == [SERVED]  # the bypass never got past
     store = open_store(f"sqlite:///{tmp_path}/traces.db")
     (call,) = store.calls("my-harness-0")
     assert call.status == 200
 
 
-def test_launcher_job_sidecar_rewrites_the_model(vllm: VllmLike, tmp_path: Path) -> None:
-    """The shipped train config's KubernetesLauncher Jobs: the same, through pod_sidecar."""
+def test_webhook_injected_sidecar_serves_token_in_responses(
+    vllm: GuardedVllm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/v1/responses through the injected sidecar: rendered with the shared folder's tokenizer
+    and sent to vLLM as a token-id completions prompt, recorded as a Responses call."""
+    port = free_port()
+    pod = injected_pod(webhook_spec(vllm.url, port, monkeypatch))
+    (sidecar,) = pod["spec"]["initContainers"]
+    shared_tokenizer(tmp_path, "/shared/models/base")
+    proc = run_sidecar(sidecar, pod, {"metadata.name": "my-harness-1"}, tmp_path)
+    try:
+        base = next(e["value"] for e in pod["spec"]["containers"][0]["env"]
+                    if e["name"] == "OPENAI_BASE_URL")  # fmt: skip
+        reply = httpx.post(
+            f"{base}/responses", timeout=60, headers={"Authorization": "Bearer harnessrl"},
+            json={"model": "default", "input": "What is 2+3?", "max_output_tokens": 4},
+        )  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["object"] == "response"
+    ((path, body),) = vllm.calls
+    assert path == "/v1/completions" and body["model"] == SERVED
+    assert body["prompt"] and all(isinstance(i, int) for i in body["prompt"])  # token in
+    (call,) = open_store(f"sqlite:///{tmp_path}/traces.db").calls("my-harness-1")
+    assert call.ok and call.endpoint is EndpointKind.COMPLETIONS
+    assert call.response is not None and call.response["dialect"] == "responses"
+    assert list(call.prompt_token_ids) == body["prompt"]
+
+
+def test_launcher_job_sidecar_rewrites_the_model(vllm: GuardedVllm, tmp_path: Path) -> None:
+    """The shipped train config's KubernetesLauncher Jobs: the same, through pod_sidecar, with
+    serve.model's tokenizer folder on the shared claim."""
     cm = base_doc("train-config.yaml", "ConfigMap")
     f = tmp_path / "train.yaml"
     f.write_text(cm["data"]["train.yaml"])
@@ -205,19 +237,26 @@ def test_launcher_job_sidecar_rewrites_the_model(vllm: VllmLike, tmp_path: Path)
             "rollout.kubernetes.image=registry.example.com/harnessrl:1",
         ],
     )
+    assert cfg.rollout.kubernetes.sidecar.shared_claim == "harnessrl-shared"
     sidecar_spec = pod_sidecar(cfg)
     assert sidecar_spec.model == SERVED and sidecar_spec.upstream == vllm.url
-    launcher_cfg = dataclasses.replace(cfg.rollout.kubernetes, sidecar=sidecar_spec)
+    assert sidecar_spec.upstream_key_secret == "harnessrl-vllm"
+    # On the learner serve.model is a folder of the share, so its sidecars get it too.
+    shared_tokenizer(tmp_path, cfg.serve.model)
+    launcher_cfg = dataclasses.replace(
+        cfg.rollout.kubernetes, sidecar=dataclasses.replace(sidecar_spec, tokenizer=cfg.serve.model)
+    )
     spec = RunSpec("r-1", Task("t", "2+3?"), "g", 0, "", 60.0)
     pod = job_manifest(spec, launcher_cfg)["spec"]["template"]
     (sidecar,) = pod["spec"]["initContainers"]
     (harness,) = pod["spec"]["containers"]
+    assert sidecar["args"][sidecar["args"].index("--tokenizer") + 1] == cfg.serve.model
     fields = {f"metadata.annotations['{k}']": v for k, v in pod["metadata"]["annotations"].items()}
-    proc = run_sidecar(sidecar, fields, tmp_path)
+    proc = run_sidecar(sidecar, pod, fields, tmp_path)
     try:
         out = run_harness(harness["env"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "5", out.stderr
-    assert vllm.models == [SERVED]
+    assert [body["model"] for _, body in vllm.calls] == [SERVED]

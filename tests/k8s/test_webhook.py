@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import kubernetes_validate
 import pytest
+from pod_patch import apply_patch
 from starlette.testclient import TestClient
 
 from proxy_sidecar.inject.webhook import (
@@ -34,30 +35,6 @@ SPEC = SidecarSpec(image="registry.example.com/harnessrl:0.1.0", upstream="http:
 
 def load(name: str) -> dict[str, Any]:
     return json.loads((FIXTURES / name).read_text())
-
-
-def apply_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
-    """RFC 6902 add/replace/remove, enough to apply what an API server would apply."""
-    doc = copy.deepcopy(doc)
-    for op in ops:
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
-        parent = doc
-        for p in parts[:-1]:
-            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
-        last = parts[-1]
-        if isinstance(parent, list):
-            if op["op"] == "add":
-                parent.insert(len(parent) if last == "-" else int(last), op["value"])
-            elif op["op"] == "replace":
-                parent[int(last)] = op["value"]
-            else:
-                del parent[int(last)]
-        elif op["op"] in ("add", "replace"):
-            assert op["op"] == "add" or last in parent, op
-            parent[last] = op["value"]
-        else:
-            del parent[last]
-    return doc
 
 
 def mutate(review: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -99,9 +76,19 @@ def test_job_pod_gets_native_sidecar_and_env() -> None:
     }
     assert pod["metadata"]["annotations"]["harnessrl.io/injected"] == SIDECAR_NAME
     assert pod["metadata"]["annotations"]["harnessrl.io/rollout-id"] == "eval-0001"
-    # Everything but the injection is unchanged.
+    # Everything but the injection is unchanged, except the API token the ServiceAccount
+    # plugin mounted before the webhook ran: the harness must not read Secrets through the API.
     before = review["request"]["object"]
-    assert pod["spec"]["volumes"] == before["spec"]["volumes"]
+    kept = [v for v in before["spec"]["volumes"] if not v["name"].startswith("kube-api-access-")]
+    assert len(kept) == len(before["spec"]["volumes"]) - 1
+    assert pod["spec"]["volumes"] == kept
+    assert not any(
+        m["name"].startswith("kube-api-access-")
+        for c in pod["spec"]["containers"] + inits
+        for m in c.get("volumeMounts", [])
+    )
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["metadata"]["labels"]["harnessrl.io/sidecar"] == "true"  # what the policies select
     assert pod["spec"]["containers"][0]["command"] == before["spec"]["containers"][0]["command"]
     kubernetes_validate.validate(pod, "1.33", strict=True)
 
