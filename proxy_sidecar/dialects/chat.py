@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -31,16 +31,10 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _TEXT = ("text",)
 # Sampling fields forwarded to the upstream's /v1/completions as they are: (name, integer, low).
 _NUMBERS = (
-    ("temperature", False, 0.0),
-    ("top_p", False, 0.0),
-    ("min_p", False, 0.0),
-    ("top_k", True, -1.0),
-    ("presence_penalty", False, -2.0),
-    ("frequency_penalty", False, -2.0),
-    ("repetition_penalty", False, 0.0),
-    ("seed", True, -(2.0**63)),
-    ("min_tokens", True, 0.0),
-)
+    ("temperature", False, 0.0), ("top_p", False, 0.0), ("min_p", False, 0.0),
+    ("top_k", True, -1.0), ("presence_penalty", False, -2.0), ("frequency_penalty", False, -2.0),
+    ("repetition_penalty", False, 0.0), ("seed", True, -(2.0**63)), ("min_tokens", True, 0.0),
+)  # fmt: skip
 # Fields whose meaning token-in mode cannot keep: refused rather than silently ignored.
 _REFUSED = {
     "functions": "the legacy functions field is not supported: send tools",
@@ -48,10 +42,6 @@ _REFUSED = {
     "audio": "audio output is not supported (the model writes text only)",
     "prediction": "predicted outputs are not supported",
 }
-
-
-class Tokens(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
 def _calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -90,10 +80,8 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     content = message.get("content")
     if content is None and role != "assistant":
         raise BadRequest(f"{where}.content is required for a {given} message", param="messages")
-    out: dict[str, Any] = {
-        "role": role,
-        "content": text_of(content or "", f"{where}.content", _TEXT),
-    }
+    text = text_of(content or "", f"{where}.content", _TEXT)
+    out: dict[str, Any] = {"role": role, "content": text}
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = _calls(message["tool_calls"], f"{where}.tool_calls")
     if isinstance(message.get("name"), str):
@@ -134,11 +122,10 @@ def _flag(body: dict[str, Any], key: str) -> bool:
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
     limit = number(body, "max_completion_tokens", integer=True, low=1)
-    out["max_tokens"] = (
-        limit if limit is not None else number(body, "max_tokens", integer=True, low=1)
-    )
+    out = {
+        "max_tokens": number(body, "max_tokens", integer=True, low=1) if limit is None else limit
+    }
     for key, integer, low in _NUMBERS:
         out[key] = number(body, key, integer=integer, low=low)
     stop = body.get("stop")
@@ -165,8 +152,8 @@ class Chat:
     def __init__(self, tokenin: Any) -> None:
         self.tokenin = tokenin
 
-    def _tokens(self) -> Tokens:
-        return self.tokenin.renderer.tokenizer  # type: ignore[no-any-return]
+    def _tokens(self) -> Any:
+        return self.tokenin.renderer.tokenizer
 
     def parse(self, body: dict[str, Any]) -> Conversation:
         for key, why in _REFUSED.items():
@@ -208,7 +195,7 @@ class Chat:
         return Conversation(messages, tools, _sampling(body), _flag(body, "stream"), model, extra)
 
     def remember(self, conv: Conversation, done: Completion, reply: dict[str, Any]) -> None:
-        return None  # every chat request carries its whole history
+        pass  # every chat request carries its whole history
 
     def error(self, err: SidecarError) -> dict[str, Any]:
         return error_body(err.status, err.message, err.type, err.param)
@@ -226,7 +213,7 @@ class Chat:
 class ChatWriter:
     """One chat completion, whole or as its chunks, with one id."""
 
-    def __init__(self, conv: Conversation, served: str, tokens: Tokens) -> None:
+    def __init__(self, conv: Conversation, served: str, tokens: Any) -> None:
         self.opts = conv.extra
         self.model = served
         self.id = new_id("chatcmpl-")
@@ -246,25 +233,13 @@ class ChatWriter:
             content.append({**entry, "top_logprobs": []})
         return {"content": content}
 
-    def _usage(self, done: Completion) -> dict[str, Any]:
-        n_in, n_out = len(done.prompt_ids), len(done.token_ids)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
     @staticmethod
     def _tool_calls(done: Completion) -> list[dict[str, Any]]:
         return [
-            {
-                "id": "call_" + c["id"][-24:],
-                "type": "function",
-                "function": {"name": c["name"], "arguments": c["arguments"]},
-            }
+            {"id": "call_" + c["id"][-24:], "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}}
             for c in done.tool_calls
-        ]
-
-    def _ids(self, done: Completion, choice: dict[str, Any], top: dict[str, Any]) -> None:
-        if self.opts["token_ids"]:
-            choice["token_ids"] = list(done.token_ids)
-            top["prompt_token_ids"] = list(done.prompt_ids)
+        ]  # fmt: skip
 
     def completion(self, done: Completion) -> dict[str, Any]:
         """The `chat.completion` object."""
@@ -281,27 +256,22 @@ class ChatWriter:
             "finish_reason": done.finish_reason,
             "stop_reason": done.stop_sequence,
         }
-        out: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(done),
-        }
-        self._ids(done, choice, out)
+        n_in, n_out = len(done.prompt_ids), len(done.token_ids)
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        out = self._head("chat.completion", [choice], usage=usage)
+        if self.opts["token_ids"]:
+            choice["token_ids"] = list(done.token_ids)
+            out["prompt_token_ids"] = list(done.prompt_ids)
         return out
 
+    def _head(self, kind: str, choices: list[dict[str, Any]], **top: Any) -> dict[str, Any]:
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **top}
+
     def _frame(self, choices: list[dict[str, Any]], **top: Any) -> bytes:
-        data = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **top,
-        }
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+        return (
+            b"data: " + orjson.dumps(self._head("chat.completion.chunk", choices, **top)) + b"\n\n"
+        )
 
     def _chunk(self, delta: dict[str, Any], **fields: Any) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
