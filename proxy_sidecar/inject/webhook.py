@@ -275,7 +275,7 @@ def _token_ops(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
             "serviceAccountToken" in s for s in _objects((v.get("projected") or {}).get("sources"))
         )
     }
-    ops = []
+    ops: list[dict[str, Any]] = []
     for kind in ("initContainers", "containers"):
         containers = pod_spec.get(kind)
         for i, c in enumerate(containers if isinstance(containers, list) else []):
@@ -291,7 +291,7 @@ def _token_ops(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
 def _pod_ops(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
     """The sidecar's volumes, the label the NetworkPolicies select, and no API token: the harness
     must not read the sidecar's Secrets through the API server."""
-    pod_spec, ops = pod["spec"], []
+    pod_spec, ops = pod["spec"], list[dict[str, Any]]()
     volumes = pod_spec.get("volumes")
     names = {v.get("name") for v in _objects(volumes)}
     for volume in sidecar_volumes(spec):

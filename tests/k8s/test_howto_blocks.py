@@ -66,7 +66,7 @@ KUBECTL = {
     "scale": {"--replicas"},
     "kustomize": set(),
 }
-OTHER_TOOLS = {
+OTHER_TOOLS: dict[str, dict[str, set[str]]] = {
     "helm": {"repo add": set(), "repo update": set(),
              "install": {"-n", "--create-namespace", "--wait"}},
     "docker": {"build": {"-f", "--build-arg", "-t"}, "push": set()},
