@@ -168,9 +168,10 @@ def pod_sidecar(cfg: TrainConfig) -> SidecarSpec:
     serving "policy" would get 404 on every call)."""
     spec = cfg.rollout.kubernetes.sidecar
     model = spec.model or cfg.sidecar.model or cfg.serve.model_name
-    # Token-in mode with serve.model's tokenizer, where the pods see it (on the shared claim).
+    # Token-in mode with serve.model's tokenizer folder where the pods see it (on the shared
+    # claim); a named one (tiny, smollm2) only when set, as each pod would load it at start.
     found = served_tokenizer(cfg.serve.model) or ""
-    tokenizer = spec.tokenizer or (found if spec.sees(found) else "")
+    tokenizer = spec.tokenizer or (found if found.startswith("/") and spec.sees(found) else "")
     return dataclasses.replace(spec, upstream=cfg.rollout.servers, model=model, tokenizer=tokenizer)
 
 
