@@ -21,6 +21,7 @@ from harnessrl.coding.tasks import task_from_row
 from harnessrl.config import TrainConfig, load_config
 from harnessrl.fleet import remote_serving
 from harnessrl.learner.mesh import TPU_CONFIGS_DIR, load_slice_config, recipe_path
+from harnessrl.learner.plan import check_fits, run_settings
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.load import load_policy
 from harnessrl.rollout import coding_task_sets, is_coding
@@ -266,3 +267,16 @@ def test_the_train_command_stops_on_the_first_unset_value(tmp_path: Path) -> Non
     quoted = DOC.read_text().split("```text\n")[1].split("\n```")[0]
     tasks = (f"rollout.tasks=coding:{train}", f"rollout.eval_tasks=coding:{held}")
     assert f"ValueError: {quoted}" in stderr(*tasks)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_the_memory_planner_reads_each_recipe_as_the_loop_does(recipe: Path) -> None:
+    cfg = load_config(recipe)
+    learner, buckets, target = run_settings(str(recipe))
+    assert learner == cfg.learner and buckets == cfg.data.buckets
+    assert target.name == load_slice_config(cfg.learner.mesh, check_devices=False).name
+    # Each recipe is sized for Qwen3-8B (its file says so): the loop's own check passes.
+    plan = check_fits(str(REPO / "tests" / "fixtures"), cfg.learner, cfg.data.buckets)
+    assert plan is None  # no config.json there: nothing is planned
+    plan = check_fits("qwen3-8b", cfg.learner, cfg.data.buckets)
+    assert plan is not None and plan.fits
