@@ -154,7 +154,9 @@ def check_tool(command: Command) -> None:
     assert not unknown, f"{command}: `{tool} {sub}` takes no {sorted(unknown)}"
 
 
+@functools.cache
 def render(overlay: str) -> list[dict[str, Any]]:
+    """The overlay as kubectl renders it (once per run; callers only read it)."""
     out = subprocess.run(["kubectl", "kustomize", str(ROOT / overlay)], capture_output=True,
                          text=True, check=True, timeout=120).stdout  # fmt: skip
     return [d for d in yaml.safe_load_all(out) if d]

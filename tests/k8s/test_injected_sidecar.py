@@ -122,7 +122,7 @@ def run_sidecar(
 def shared_tokenizer(tmp: Path, folder: str) -> None:
     """The served model's tokenizer, as an HF folder on the shared claim (`folder` under /shared)."""
     try:
-        tok = load_tokenizer("smollm2")
+        tok = load_tokenizer("tiny")  # SmolLM2's, as the dialect tests load it (read once)
     except ValueError as err:
         pytest.skip(f"needs the shipped SmolLM2 tokenizer: {err}")
     tok.save(tmp / "harnessrl-shared" / folder.removeprefix("/shared/"))
@@ -221,31 +221,35 @@ def test_webhook_injected_sidecar_serves_token_in_responses(
 
 
 def test_launcher_job_sidecar_rewrites_the_model(vllm: GuardedVllm, tmp_path: Path) -> None:
-    """The shipped train config's KubernetesLauncher Jobs: the same, through pod_sidecar, with
-    serve.model's tokenizer folder on the shared claim."""
+    """The shipped train config's KubernetesLauncher Jobs: the same, through pod_sidecar, which
+    hands the sidecars serve.model's tokenizer folder on the shared claim."""
     cm = base_doc("train-config.yaml", "ConfigMap")
     f = tmp_path / "train.yaml"
     f.write_text(cm["data"]["train.yaml"])
     port = free_port()
-    cfg = load_config(
-        f,
-        [
-            f"rollout.servers={vllm.url}",
-            f"rollout.kubernetes.sidecar.port={port}",
-            # what the train Job passes from its Secret; the sidecar here writes to the test's store
-            "rollout.store=postgresql://harnessrl@postgres/traces",
-            "rollout.kubernetes.image=registry.example.com/harnessrl:1",
-        ],
-    )
+    share = tmp_path / "harnessrl-shared"  # the claim, where the learner and the sidecars see it
+    overrides = [
+        f"rollout.servers={vllm.url}",
+        f"rollout.kubernetes.sidecar.port={port}",
+        # what the train Job passes from its Secret; the sidecar here writes to the test's store
+        "rollout.store=postgresql://harnessrl@postgres/traces",
+        "rollout.kubernetes.image=registry.example.com/harnessrl:1",
+        f"rollout.kubernetes.sidecar.shared_path={share}",
+        f"serve.model={share}/models/base",
+    ]
+    cfg = load_config(f, overrides)
     assert cfg.rollout.kubernetes.sidecar.shared_claim == "harnessrl-shared"
+    assert pod_sidecar(cfg).tokenizer == ""  # no tokenizer in that folder yet: token-in off
+    shared_tokenizer(tmp_path, "/shared/models/base")
     sidecar_spec = pod_sidecar(cfg)
     assert sidecar_spec.model == SERVED and sidecar_spec.upstream == vllm.url
     assert sidecar_spec.upstream_key_secret == "harnessrl-vllm"
-    # On the learner serve.model is a folder of the share, so its sidecars get it too.
-    shared_tokenizer(tmp_path, cfg.serve.model)
-    launcher_cfg = dataclasses.replace(
-        cfg.rollout.kubernetes, sidecar=dataclasses.replace(sidecar_spec, tokenizer=cfg.serve.model)
-    )
+    assert sidecar_spec.tokenizer == cfg.serve.model
+    unshared = dataclasses.replace(cfg.rollout.kubernetes.sidecar, shared_claim="")
+    assert pod_sidecar(dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, kubernetes=dataclasses.replace(cfg.rollout.kubernetes, sidecar=unshared)
+    ))).tokenizer == ""  # a folder the pods cannot mount is not handed to them  # fmt: skip
+    launcher_cfg = dataclasses.replace(cfg.rollout.kubernetes, sidecar=sidecar_spec)
     spec = RunSpec("r-1", Task("t", "2+3?"), "g", 0, "", 60.0)
     pod = job_manifest(spec, launcher_cfg)["spec"]["template"]
     (sidecar,) = pod["spec"]["initContainers"]
@@ -255,8 +259,13 @@ def test_launcher_job_sidecar_rewrites_the_model(vllm: GuardedVllm, tmp_path: Pa
     proc = run_sidecar(sidecar, pod, fields, tmp_path)
     try:
         out = run_harness(harness["env"])
+        base = next(e["value"] for e in harness["env"] if e["name"] == "OPENAI_BASE_URL")
+        reply = httpx.post(f"{base}/responses", timeout=60,
+                           json={"model": "x", "input": "2+3?", "max_output_tokens": 4})  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "5", out.stderr
-    assert [body["model"] for _, body in vllm.calls] == [SERVED]
+    assert reply.status_code == 200, reply.text  # token-in, with the shared folder's tokenizer
+    assert [(path, body["model"]) for path, body in vllm.calls] == [
+        ("/v1/chat/completions", SERVED), ("/v1/completions", SERVED)]  # fmt: skip
