@@ -394,6 +394,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Sidec
     ap.add_argument("--tokenizer", default="", help="token-in mode's tokenizer (or HF folder)")
     ap.add_argument("--shared-claim", default="", help="PVC mounted read-only into the sidecar")
     ap.add_argument("--shared-path", default=SidecarSpec.shared_path, help="where it is mounted")
+    ap.add_argument("--sidecar-memory", default=SidecarSpec.memory, help="request and limit")
     args = ap.parse_args(argv)
     spec = SidecarSpec(
         image=args.sidecar_image,
@@ -406,6 +407,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Sidec
         tokenizer=args.tokenizer,
         shared_claim=args.shared_claim,
         shared_path=args.shared_path,
+        memory=args.sidecar_memory,
     )
     return args, spec
 
