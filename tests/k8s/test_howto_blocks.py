@@ -360,3 +360,12 @@ def test_the_checks_catch_broken_lines(line: str, fails: str, tmp_path: Path) ->
     (command,) = commands(guide)
     with pytest.raises((AssertionError, ValueError), match=fails):
         test_each_command_is_right(command)
+
+
+def test_the_shipped_vllm_flags_and_env_exist_in_vllm() -> None:
+    """k8s/base/vllm.yaml runs what the guides run: its flags and env must be vLLM's too."""
+    (sts,) = [d for d in yaml.safe_load_all((ROOT / "k8s/base/vllm.yaml").read_text())
+              if d and d["kind"] == "StatefulSet"]  # fmt: skip
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = tuple(f"{e['name']}=x" for e in c["env"] if e["name"] != "PYTHONPATH")
+    check_vllm(Command("vllm.yaml", 0, env, ("python", "-m", *c["command"][2:], *c["args"])))
