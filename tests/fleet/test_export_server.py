@@ -61,3 +61,34 @@ def test_bad_fetch_requests_and_addresses_are_named() -> None:
     assert parse_address("") == ("127.0.0.1", 0)
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("10.0.0.5")
+
+
+def test_vllm_workers_stream_the_same_tensors_safetensors_reads(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from harnessrl.serve.weight_fetch import stream_tensors
+
+    root = tmp_path / "weights"
+    folder = root / "v000001"
+    folder.mkdir(parents=True)
+    shard_a = {
+        "model.embed_tokens.weight": torch.randn(5, 3, dtype=torch.bfloat16),
+        "model.norm.weight": torch.randn(3),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+    }
+    shard_b = {"lm_head.weight": torch.randn(7, 3), "step": torch.tensor([3], dtype=torch.int64)}
+    save_file(shard_a, str(folder / "model-00001-of-00002.safetensors"))
+    save_file(shard_b, str(folder / "model-00002-of-00002.safetensors"))
+    (folder / "config.json").write_text("{}")
+    server = ExportServer(root)
+    try:
+        fields = server.fetch_fields(folder)
+        streamed = dict(stream_tensors(fields["url"], fields["files"], fields["token"]))
+    finally:
+        server.stop()
+    expected = {**shard_a, **shard_b}
+    assert streamed.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert streamed[name].dtype == tensor.dtype and torch.equal(streamed[name], tensor), name
+    assert load_file(str(folder / "model-00002-of-00002.safetensors")).keys() == shard_b.keys()
