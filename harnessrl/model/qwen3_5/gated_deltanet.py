@@ -41,6 +41,37 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
+def unit_lower_inverse(a_xcc: jax.Array) -> jax.Array:
+    """`(I + A)^-1` for strictly lower-triangular `A [..., c, c]`, by blocked doubling.
+
+    Diagonal blocks of size s are inverted from those of size s/2:
+    `[[X1, 0], [L21, X2']]^-1 = [[X1^-1, 0], [-X2^-1 L21 X1^-1, X2^-1]]`, log2(c) rounds of
+    batched matmuls (c padded to a power of two with identity rows). Not LAPACK's triangular
+    solve: on XLA:CPU that custom call fans its batch out onto the intra-op thread pool and blocks
+    the thread it runs on, so two devices' programs solving at once on a 2-thread pool deadlock.
+    The explicit inverse is also what the FLA kernels compute (`solve_tril`).
+    """
+    *lead, c, _ = a_xcc.shape
+    size = 1 << max(0, (c - 1).bit_length())
+    m_xcc = jnp.pad(a_xcc, [(0, 0)] * len(lead) + [(0, size - c), (0, size - c)])
+    m_xcc = m_xcc + jnp.eye(size, dtype=a_xcc.dtype)
+    inv = jnp.ones((*lead, size, 1, 1), a_xcc.dtype)  # [..., blocks, s, s], s = 1: unit diagonal
+    s = 1
+    while s < size:
+        blocks = size // (2 * s)
+        # The diagonal blocks of size 2s of I + A; their lower-left quarter couples the halves.
+        m_xbrbr = m_xcc.reshape(*lead, blocks, 2 * s, blocks, 2 * s)
+        diag_xb22 = jnp.diagonal(m_xbrbr, axis1=-4, axis2=-2)  # [..., 2s, 2s, blocks]
+        low_xbss = jnp.moveaxis(diag_xb22, -1, -3)[..., s:, :s]
+        pair = inv.reshape(*lead, blocks, 2, s, s)
+        x1, x2 = pair[..., 0, :, :], pair[..., 1, :, :]
+        off = -jnp.einsum("...ij,...jk,...kl->...il", x2, low_xbss, x1)
+        top = jnp.concatenate([x1, jnp.zeros_like(x1)], axis=-1)
+        inv = jnp.concatenate([top, jnp.concatenate([off, x2], axis=-1)], axis=-2)
+        s *= 2
+    return inv.reshape(*lead, size, size)[..., :c, :c]
+
+
 def chunked_gated_delta_rule(
     q_bthk: jax.Array,
     k_bthk: jax.Array,
@@ -97,12 +128,9 @@ def chunked_gated_delta_rule(
     a_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * decay_bhncc * strict_cc
     # (I + A) u = beta v and (I + A) w = beta k decayed from the chunk start: the delta rule's
     # corrections within the chunk, resolved at once.
-    eye_plus_a = a_bhncc + jnp.eye(chunk, dtype=f32)
-    solve = jax.lax.linalg.triangular_solve
-    u = solve(eye_plus_a, vb, left_side=True, lower=True, unit_diagonal=True)
-    w = solve(
-        eye_plus_a, kb * from_start_bhnc[..., None], left_side=True, lower=True, unit_diagonal=True
-    )
+    inv_bhncc = unit_lower_inverse(a_bhncc)
+    u = jnp.einsum("bhnij,bhnjv->bhniv", inv_bhncc, vb)
+    w = jnp.einsum("bhnij,bhnjk->bhnik", inv_bhncc, kb * from_start_bhnc[..., None])
     intra_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay_bhncc
     q_read = q * from_start_bhnc[..., None]
     k_write = k * to_end_bhnc[..., None]
