@@ -255,25 +255,16 @@ class FakeKube:
     def add_endpoint_slice(
         self, namespace: str, service: str, endpoints: list[tuple[str, bool | None]], port: int
     ) -> dict[str, Any]:
-        """One EndpointSlice of `service`, as the EndpointSlice controller writes it: each
-        (address, ready) an endpoint (ready None: the condition left out). Schema-checked."""
+        """A schema-checked EndpointSlice of `service`: (address, ready or None: unknown) each."""
+        labels = {"kubernetes.io/service-name": service}
         piece: dict[str, Any] = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": f"{service}-{uuid.uuid4().hex[:5]}",
-                "namespace": namespace,
-                "labels": {"kubernetes.io/service-name": service},
-            },
-            "addressType": "IPv4",
-            "endpoints": [
-                {"addresses": [ip], "conditions": {} if ready is None else {"ready": ready}}
-                for ip, ready in endpoints
-            ],
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": f"{service}-{uuid.uuid4().hex[:5]}", "namespace": namespace, "labels": labels},
             "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        }
-        invalid = schema_error(piece, "io.k8s.api.discovery.v1.EndpointSlice")
-        if invalid:
+            "endpoints": [{"addresses": [ip], "conditions": {} if ready is None else {"ready": ready}}
+                          for ip, ready in endpoints],
+        }  # fmt: skip
+        if invalid := schema_error(piece, "io.k8s.api.discovery.v1.EndpointSlice"):
             raise ValueError(f"EndpointSlice is invalid: {invalid}")
         with self.cond:
             self.rv += 1
@@ -557,8 +548,7 @@ def _handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
                              "metadata": {"resourceVersion": str(kube.rv)}, "items": items}, "application/json"  # fmt: skip
             if route == "endpointslices":
                 with kube.cond:
-                    items = [e for e in kube.endpoint_slices if e["metadata"]["namespace"] == parts[4]
-                             and _matches(e, q.get("labelSelector"))]  # fmt: skip
+                    items = [e for e in kube.endpoint_slices if e["metadata"]["namespace"] == parts[4] and _matches(e, q.get("labelSelector"))]  # fmt: skip
                 return 200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
                              "metadata": {"resourceVersion": str(kube.rv)}, "items": items}, "application/json"  # fmt: skip
             if route == "log":
