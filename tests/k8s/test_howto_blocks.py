@@ -56,7 +56,7 @@ GCLOUD = {
 KUBECTL = {
     "apply": {"-k", "-f", "--server-side"},
     "delete": {"-k", "-f"},
-    "create": {"--from-literal"},
+    "create": {"--from-literal", "--from-file"},
     "get": {"-l", "-o", "--watch"},
     "logs": {"-f", "-l", "-c"},
     "rollout": set(),
@@ -152,6 +152,10 @@ def check_tool(command: Command) -> None:
     assert sub is not None, f"{command}: no known `{tool}` subcommand"
     unknown = set(options(rest)) - table[sub]
     assert not unknown, f"{command}: `{tool} {sub}` takes no {sorted(unknown)}"
+    for w in rest:  # files of this repository that the command reads
+        if w.startswith("--from-file="):
+            path = w.split("=")[-1]
+            assert (ROOT / path).is_file(), f"{command}: {path} does not exist"
 
 
 @functools.cache
