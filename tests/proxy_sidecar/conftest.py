@@ -14,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "fixtures" / "vllm"))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "traces"))
 
 from fake_vllm import FakeVLLM, ServerThread
-from pg_cluster import pg_dsn, pg_server  # noqa: F401  (fixtures for the PostgreSQL-backed test)
+from pg_cluster import pg_ctl, pg_dsn, pg_server  # noqa: F401  (fixtures for the PostgreSQL tests)
 
 from harnessrl.traces.sqlite import SQLiteTraceStore
 from proxy_sidecar.app import build_app

@@ -47,9 +47,11 @@ def start_upstream(distinct: bool = False) -> tuple[subprocess.Popen[bytes], str
 
 
 def start_sidecar(
-    upstream: str, db: pathlib.Path, *args: str, port: int | None = None
+    upstream: str, db: pathlib.Path | str, *args: str, port: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """`db`: an SQLite file, or a store URL (`postgresql://...`) as is."""
     port = port or free_port()
+    store = db if isinstance(db, str) and "://" in db else f"sqlite:///{db}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [
@@ -59,7 +61,7 @@ def start_sidecar(
             "--upstream",
             upstream,
             "--store",
-            f"sqlite:///{db}",
+            store,
             "--port",
             str(port),
             "--log-calls=false",

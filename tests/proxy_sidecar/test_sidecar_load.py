@@ -4,58 +4,23 @@ load; no call is lost or mixed up; concurrent large bodies stay within the memor
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
-import signal
 import time
-from typing import Any
 
 import aiohttp
 import orjson
 from distinct_upstream import answer
+from load_client import (
+    assert_own_answer,
+    call,
+    check_no_call_lost,
+    content,
+    load_until_killed,
+    received_ids,
+)
 from sidecar_proc import start_sidecar, start_upstream, stop
 
-from harnessrl.traces.schema import CallRecord
 from harnessrl.traces.sqlite import SQLiteTraceStore
-
-
-def content(rollout: str, i: int) -> str:
-    return f"{rollout} call {i}"
-
-
-def body(rollout: str, i: int, stream: bool) -> bytes:
-    msg = {"role": "user", "content": content(rollout, i)}
-    return orjson.dumps({"model": "smol", "messages": [msg], "max_tokens": 4, "stream": stream})
-
-
-async def call(
-    session: aiohttp.ClientSession, url: str, rollout: str, i: int, stream: bool
-) -> bytes:
-    async with session.post(
-        f"{url}/rollouts/{rollout}/v1/chat/completions",
-        data=body(rollout, i, stream),
-        headers={"content-type": "application/json"},
-    ) as resp:
-        raw = await resp.read()
-        assert resp.status == 200, raw
-        return raw
-
-
-def received_ids(raw: bytes, stream: bool) -> list[int]:
-    """The completion token ids a client got, from a whole body or an SSE stream."""
-    if not stream:
-        return list(orjson.loads(raw)["choices"][0]["token_ids"])
-    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
-    events = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
-    return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
-
-
-def assert_own_answer(rec: CallRecord, text: str) -> None:
-    """The store holds this call with the answer the upstream gave to exactly this request."""
-    ids, lps = answer(text)
-    assert rec.ok, rec.error
-    assert rec.request["messages"][0]["content"] == text
-    assert list(rec.choices[0].token_ids) == ids and list(rec.choices[0].logprobs) == lps
 
 
 def test_256_clients_x_20_calls_each_get_and_store_their_own_answer(
@@ -99,44 +64,15 @@ def test_kill_9_under_load_loses_no_fully_received_call(tmp_path: pathlib.Path) 
     db = tmp_path / "crash.db"
     up, up_url = start_upstream(distinct=True)
     sc, url = start_sidecar(up_url, db)
-    done: list[tuple[str, int, bool, bytes]] = []
-
-    async def client(session: aiohttp.ClientSession, k: int) -> None:
-        for i in range(10_000):
-            stream = i % 2 == 1
-            try:
-                raw = await call(session, url, f"k{k}", i, stream)
-            except (TimeoutError, aiohttp.ClientError):
-                return  # the sidecar died under this call: it was not fully received
-            done.append((f"k{k}", i, stream, raw))
-
-    async def main() -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            tasks = [asyncio.create_task(client(s, k)) for k in range(32)]
-            await asyncio.sleep(1.5)
-            os.kill(sc.pid, signal.SIGKILL)
-            await asyncio.gather(*tasks)
-
     try:
-        asyncio.run(main())
-        sc.wait()
+        done = asyncio.run(load_until_killed(url, sc, clients=32, after_s=1.5))
         sc, url = start_sidecar(up_url, db)  # restart on the same store: it serves again
         asyncio.run(_one_call(url))
     finally:
         stop(sc)
         stop(up)
-    assert len(done) > 20
     store = SQLiteTraceStore(db)
-    stored: dict[tuple[str, str], Any] = {}
-    for rollout in {r for r, *_ in done}:
-        for c in store.calls(rollout):
-            stored[(rollout, c.request["messages"][0]["content"])] = c
-    for rollout, i, stream, raw in done:
-        text = content(rollout, i)
-        rec = stored.get((rollout, text))
-        assert rec is not None, f"fully received call {rollout}/{i} missing after kill -9"
-        assert_own_answer(rec, text)
-        assert received_ids(raw, stream) == answer(text)[0]
+    assert check_no_call_lost(done, store.calls) > 20
     assert store.count_calls("after-restart") == 1
     store.close()
 

@@ -182,6 +182,16 @@ def test_reconnect_settings_are_checked(pg_dsn: str) -> None:
             PostgresTraceStore(pg_dsn, **{name: 0})
 
 
+def test_a_connection_lost_while_being_set_up_is_an_error_of_the_open(
+    pg_dsn: str, proxy: CutProxy
+) -> None:
+    proxy.cut_at(b"SET lock_timeout", before=True)
+    with pytest.raises(psycopg.OperationalError):
+        PostgresTraceStore(through(proxy, pg_dsn))
+    assert proxy.cuts == 1
+    PostgresTraceStore(through(proxy, pg_dsn)).close()  # the next open is not cut
+
+
 _OPS = 4  # create_rollout, add_calls, transition, set_reward: one sequence per example
 _sizes: dict[str, int] = {}
 
