@@ -22,6 +22,7 @@ from harnessrl.rollout.k8s import job_manifest as plain_manifest
 from harnessrl.rollout.tasks import RunResult, RunSpec
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.control import rollout_url
+from proxy_sidecar.inject.webhook import sidecar_volumes
 
 SANDBOX_LABEL = "harnessrl.io/sandbox"  # the shipped NetworkPolicy selects pods by it
 CHECKOUT_ANNOTATION = "harnessrl.io/checkout"
@@ -193,7 +194,7 @@ def coding_job(
             mount["subPath"] = code.mirrors_sub_path
         mounts.append(mount)
         checkout_args += ["--mirrors", MIRRORS]
-    pod["volumes"] = volumes
+    pod["volumes"] = [*volumes, *sidecar_volumes(cfg.sidecar)]  # the sidecar's tokenizer folder
     pod["initContainers"] = [
         _checkout_container(cfg, checkout_args, mounts),
         *pod["initContainers"],
