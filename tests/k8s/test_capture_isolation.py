@@ -29,7 +29,7 @@ from pod_patch import apply_patch
 from harnessrl.config import load_config
 from harnessrl.fleet.serving import remote_serving
 from harnessrl.fleet.weight_sync import WeightSyncError
-from harnessrl.rollout.k8s import job_manifest
+from harnessrl.rollout.k8s import KubernetesLauncherConfig, job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.train import pod_sidecar
 from proxy_sidecar.inject.webhook import (
@@ -112,14 +112,21 @@ def test_vllm_runs_the_guard_with_its_key(base: list[dict[str, Any]]) -> None:
     assert cm["data"]["vllm_guard.py"] == GUARD.read_text()  # what the pods import
 
 
-def launcher_pod(base: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
-    """A harness Job's pod as the shipped train config makes the launcher build it."""
+def launcher_config(base: list[dict[str, Any]], tmp_path: Path) -> KubernetesLauncherConfig:
+    """The harness Jobs' settings as the shipped train config gives them to the launcher (with
+    serve.model's tokenizer folder, which is on the share in the cluster)."""
     cm = one(base, "ConfigMap", "harnessrl-train")
     f = tmp_path / "train.yaml"
     f.write_text(cm["data"]["train.yaml"])
     cfg = load_config(f, ["rollout.kubernetes.image=registry.example.com/agent:1",
                           "rollout.store=postgresql://harnessrl@postgres/traces"])  # fmt: skip
-    launcher = dataclasses.replace(cfg.rollout.kubernetes, sidecar=pod_sidecar(cfg))
+    sidecar = dataclasses.replace(pod_sidecar(cfg), tokenizer=cfg.serve.model)
+    return dataclasses.replace(cfg.rollout.kubernetes, sidecar=sidecar)
+
+
+def launcher_pod(base: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
+    """A harness Job's pod as the shipped train config makes the launcher build it."""
+    launcher = launcher_config(base, tmp_path)
     job = job_manifest(RunSpec("r-1", Task("t", "2+3?"), "g", 0, "", 60.0), launcher)
     template: dict[str, Any] = job["spec"]["template"]
     return template
@@ -179,6 +186,46 @@ def test_only_the_sidecar_holds_the_keys(base: list[dict[str, Any]], tmp_path: P
         assert pod["metadata"]["labels"][SIDECAR_LABEL] == "true"
     sa = one(base, "ServiceAccount", "harnessrl-harness")
     assert sa["automountServiceAccountToken"] is False
+
+
+def coding_pod(base: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
+    """A coding task's Job pod (harnessrl.pods) as the shipped train config's sidecar makes it."""
+    from kubernetes import client
+
+    from harnessrl.coding.taskset import load_shipped
+    from harnessrl.pods.coding import KubernetesCodingLauncher, coding_job
+    from harnessrl.rollout.coding import CodingConfig, as_task
+
+    config = dataclasses.replace(
+        launcher_config(base, tmp_path), image="registry.example.com/harnessrl:1"
+    )
+    task = load_shipped()[0]
+    api = client.ApiClient(client.Configuration(host="http://127.0.0.1:1"))
+    coding = CodingConfig(mini_config=str(ROOT / "examples" / "mini.yaml"))
+    pods = KubernetesCodingLauncher(
+        config, coding, {task.instance_id: task}, model="policy", api_client=api
+    )
+    spec = RunSpec(f"c-{task.instance_id}", as_task(task), "g", 0, "", 60.0)
+    template: dict[str, Any] = coding_job(spec, task, pods, "b")["spec"]["template"]
+    return template
+
+
+@needs_kubectl
+def test_every_mount_of_every_harness_pod_names_a_volume_of_the_pod(
+    base: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The sidecar's shared-claim mount (its tokenizer folder) survives every pod builder."""
+    for pod in (launcher_pod(base, tmp_path), injected_pod(base), coding_pod(base, tmp_path)):
+        spec = pod["spec"]
+        volumes = {v["name"] for v in spec.get("volumes", [])}
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in volumes, (pod["metadata"].get("labels"), c["name"], m)
+        (sidecar,) = [c for c in spec["initContainers"] if c["name"] == SIDECAR_NAME]
+        assert any(m["mountPath"] == "/shared" for m in sidecar["volumeMounts"])
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if c is not sidecar:
+                assert readable_secrets(pod, c) == set(), c["name"]
 
 
 @needs_kubectl
