@@ -157,7 +157,7 @@ class PostgresTraceStore(SQLStoreBase):
                         f"(reconnect_timeout_s): {str(err).strip()}"
                     ) from err
                 time.sleep(min(delay, left))
-                delay = min(2 * delay, 1.0)
+                delay = min(2 * delay, 0.25)  # refused connects are cheap: answer soon
             else:
                 self._down_since = None
                 return

@@ -103,7 +103,10 @@ def test_a_restart_mid_round_makes_calls_wait_and_loses_none(
             await asyncio.sleep(0.3)
             await asyncio.to_thread(pg_ctl.start)
             marks["up"] = time.monotonic()
-            await asyncio.sleep(0.3)
+            # Until calls made after the restart have come back (the store polls the server).
+            while not [o for o in outcomes if o.started > marks["up"]]:
+                assert time.monotonic() - marks["up"] < 30, "no call came back after the restart"
+                await asyncio.sleep(0.05)
             running = False
             await asyncio.gather(*tasks)
 
@@ -112,7 +115,6 @@ def test_a_restart_mid_round_makes_calls_wait_and_loses_none(
     assert bad == [], f"{len(bad)} of {len(outcomes)} calls not answered whole: {bad[:3]}"
     waited = [o for o in outcomes if o.started < marks["down"] + 0.3 and o.ended > marks["up"]]
     assert waited, "no call was in flight while the server was down"
-    assert [o for o in outcomes if o.started > marks["up"]], "no call after the restart"
     by_rollout: dict[str, list[Outcome]] = {}
     for o in outcomes:
         by_rollout.setdefault(o.rollout, []).append(o)
