@@ -41,19 +41,25 @@ from harnessrl.learner.mesh import (
 )
 from harnessrl.model.config import HF_SHAPES, ModelConfig
 from harnessrl.model.decoder import Decoder
+from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.qwen3_5.config import MODEL_TYPES as QWEN35_TYPES
 from harnessrl.model.sharding import logical_to_spec
 
+AnyConfig = ModelConfig | Qwen35Config
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
 # What `load_policy` builds for `tiny` (random weights around SmolLM2's 49,152-token tokenizer).
 TINY_VOCAB = 49152
+NAMED_SHAPES = (*HF_SHAPES, "qwen3_5-9b", "smollm2", "tiny")
 
 
-def model_shape(spec: str) -> ModelConfig:
-    """A decoder's shape without its weights: a named shape (`qwen3-8b`, `smollm2`, `tiny`), an
-    HF model folder, or its `config.json`."""
+def model_shape(spec: str) -> AnyConfig:
+    """A decoder's shape without its weights: a named shape (`NAMED_SHAPES`), an HF model folder,
+    or its `config.json` (Llama, Qwen2, Qwen3 dense, or Qwen3.5)."""
     if spec in HF_SHAPES:
         return ModelConfig.from_hf_config(HF_SHAPES[spec])
+    if spec == "qwen3_5-9b":
+        return Qwen35Config()  # the defaults are Qwen3.5-9B's text model
     if spec == "smollm2":
         return ModelConfig()  # the defaults are SmolLM2-135M-Instruct
     if spec == "tiny":
@@ -61,10 +67,13 @@ def model_shape(spec: str) -> ModelConfig:
     path = Path(spec)
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
-        return ModelConfig.from_hf_config(json.loads(config.read_text()))
+        hf = json.loads(config.read_text())
+        if hf.get("model_type") in QWEN35_TYPES:
+            return Qwen35Config.from_hf_config(hf)
+        return ModelConfig.from_hf_config(hf)
     raise ValueError(
-        f"--model {spec!r} is neither a named shape ({sorted([*HF_SHAPES, 'smollm2', 'tiny'])}), "
-        f"an HF model folder with a config.json, nor a config.json file"
+        f"--model {spec!r} is neither a named shape ({', '.join(NAMED_SHAPES)}), an HF model "
+        "folder with a config.json, nor a config.json file"
     )
 
 
@@ -95,9 +104,10 @@ class Layout:
 
 
 @functools.cache
-def param_leaves(cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:
+def param_leaves(cfg: AnyConfig) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:
     """(shape, logical axes) of every param, from the real decoder built abstractly."""
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    family: Any = Qwen35Decoder if isinstance(cfg, Qwen35Config) else Decoder
+    abstract = nnx.eval_shape(lambda: family(cfg, rngs=nnx.Rngs(0)))
     variables = jax.tree.leaves(
         nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
@@ -107,51 +117,86 @@ def param_leaves(cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], tuple[str | N
 
 
 def activation_bytes(
-    cfg: ModelConfig, layout: Layout, rows: int, length: int, remat: bool, compute_dtype: str
+    cfg: AnyConfig, layout: Layout, rows: int, length: int, remat: bool, compute_dtype: str
 ) -> int:
     """Peak activation bytes per chip of one micro-step of `rows x length` tokens.
 
     Per chip: b = rows / (data x fsdp) rows (the `batch` rule), t = length, and the tensor
     shares h, k, f, V of heads, kv heads, mlp and vocab; c = compute dtype bytes, e = head_dim,
-    d = hidden, L = layers. What the backward pass of `Decoder.__call__` keeps, per layer:
-
-        A = b t [4 d c + 2 d 4            (layer input, normed inputs, mid residual; f32 norms)
-                 + (h + 2k) e c + (h + k) e (8 + c) + h e c    (q, k, v; qk-norm + RoPE in f32; o)
-                 + f (3c + 4)]            (SwiGLU gate, up, their product; sigmoid in f32)
-            + b h t^2 (4 + c)             (softmax output in f32 and as compute dtype)
-
-    and, while one layer runs backward, B = b h t^2 (4 + c) (the scores' cotangents) plus that
-    layer's weights gathered in compute dtype and their unreduced gradient in float32. The head
-    and loss hold G = b t V (12 + c) (float32 logits, the loss's exp and the logits' gradient, and
+    d = hidden. What the backward pass keeps of each layer kind i (`layer_kinds`) is A_i; while
+    one layer runs backward it adds B_i (the cotangents of its largest intermediates) plus its
+    weights gathered in compute dtype and their unreduced float32 gradient (W). The head and
+    loss hold G = b t V (12 + c) (float32 logits, the loss's exp and the logits' gradient, and
     that gradient in compute dtype) plus the gathered head. Shared by all layers: the mask
-    (b t^2 bytes) and RoPE tables (2 b t e 4).
+    (b t^2 bytes) and RoPE tables (2 b t e 4). With L layers in all:
 
-        remat:    L b t d c + A + B  (one layer's residuals rebuilt at a time), or G if larger
-        no remat: L A + B, or L A + G
+        remat:    L b t d c + max_i (A_i + B_i) + W  (one layer rebuilt at a time), or G if larger
+        no remat: sum_i (A_i + A'_i) + max(max_i B_i + W, G)
 
-    tests/learner/test_plan.py holds this against XLA's compiled memory analysis of a small
-    decoder on CPU.
+    tests/learner/test_plan.py holds this against XLA's compiled memory analysis of small
+    decoders on CPU.
     """
     c = BYTES[compute_dtype]
     b = rows // layout.shards(("batch",), (rows,))
-    t, d, e, n = length, cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    h, k = layout.per_chip("heads", cfg.num_heads), layout.per_chip("kv_heads", cfg.num_kv_heads)
-    f, v = layout.per_chip("mlp", cfg.intermediate_size), layout.per_chip("vocab", cfg.vocab_size)
-    per_token = 4 * d * c + 2 * d * 4 + (h + 2 * k) * e * c + (h + k) * e * (8 + c) + h * e * c
-    per_token += f * (3 * c + 4)
-    scores = b * h * t * t * (4 + c)
-    layer = b * t * per_token + scores
-    layer_weights = per_chip_layer_weights(cfg, layout)
-    backward = scores + layer_weights * (c + 4)
+    t, d = length, cfg.hidden_size
+    v = layout.per_chip("vocab", cfg.vocab_size)
+    kinds = layer_kinds(cfg, layout, b, t, c)
+    weights = per_chip_layer_weights(cfg, layout) * (c + 4)
     head = b * t * v * (12 + c) + d * v * c
-    shared = b * t * t + 2 * b * t * e * 4
+    shared = b * t * t + 2 * b * t * cfg.head_dim * 4
     if remat:
-        return shared + n * b * t * d * c + max(layer + backward, head)
-    return shared + n * layer + max(backward, head)
+        rebuilt = max(kept + backward for _, kept, _, backward in kinds) + weights
+        return shared + cfg.num_layers * b * t * d * c + max(rebuilt, head)
+    kept = sum(count * (kept + extra) for count, kept, extra, _ in kinds)
+    return shared + kept + max(max(backward for *_, backward in kinds) + weights, head)
 
 
-def per_chip_layer_weights(cfg: ModelConfig, layout: Layout) -> int:
-    """Elements of one layer's weights on a chip once FSDP has gathered them (tensor stays split)."""
+def layer_kinds(
+    cfg: AnyConfig, layout: Layout, b: int, t: int, c: int
+) -> list[tuple[int, int, int, int]]:
+    """(count, A, A', B) per layer kind, in bytes per chip (see `activation_bytes`); A' is what
+    a fully kept forward holds besides A (the masked scores in float32).
+
+    Residual stream and MLP, every kind: 4 d c + 2 d 4 per token (the layer input, the normed
+    inputs and the mid residual; the norms in float32) and f (3c + 4) (SwiGLU gate, up, their
+    product; the sigmoid in float32). Softmax attention adds per token (h + 2k) e c + (h + k)
+    e (8 + c) + h e c (q, k, v; the q/k norms and RoPE in float32; the output) and b h t^2 (4 +
+    c) (the softmax output in float32 and compute dtype; B is the same again; A' the masked
+    scores, b h t^2 4). Qwen3.5's gated attention adds its gate (h e (c + 4)). Its Gated
+    DeltaNet layers keep, per token, the conv's W shifted inputs and float32 outputs
+    (2 r k + h_v v)(W c + 8), the gate z (h_v v c), the float32 queries and keys (normalized,
+    repeated to the value heads, chunked, beta-scaled, decayed, and the scan's copies) and values
+    (chunked, beta-scaled, the solved u, the corrected v, the output and its norm): 14 h_v k 4 +
+    10 h_v v 4; the chunk's masks, decays, A, (I + A) and intra-chunk scores, 8 h_v C 4 for chunk
+    C; and the state carried into each chunk, h_v k v 4 / C. B is one set of the chunk matrices.
+    The Qwen3.5 coefficients count the float32 copies XLA keeps of `chunked_gated_delta_rule`.
+    """
+    d, f = cfg.hidden_size, layout.per_chip("mlp", cfg.intermediate_size)
+    h, k = layout.per_chip("heads", cfg.num_heads), layout.per_chip("kv_heads", cfg.num_kv_heads)
+    e = cfg.head_dim
+    stream = 4 * d * c + 2 * d * 4 + f * (3 * c + 4)
+    attention = (h + 2 * k) * e * c + (h + k) * e * (8 + c) + h * e * c
+    scores = b * h * t * t * (4 + c)
+    masked = b * h * t * t * 4  # kept only when the whole forward is kept (no remat)
+    if isinstance(cfg, ModelConfig):
+        return [(cfg.num_layers, b * t * (stream + attention) + scores, masked, scores)]
+    gate = h * e * (c + 4)
+    full = (cfg.num_groups, b * t * (stream + attention + gate) + scores, masked, scores)
+    r = layout.per_chip("kv_heads", cfg.linear_num_key_heads)
+    hv = layout.per_chip("heads", cfg.linear_num_value_heads)
+    kd, vd, chunk = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.chunk_size
+    width = cfg.linear_conv_kernel_dim
+    mixer = (2 * r * kd + hv * vd) * (width * c + 8) + hv * vd * c
+    mixer += 14 * hv * kd * 4 + 10 * hv * vd * 4
+    chunks = 8 * hv * chunk * 4
+    state = hv * kd * vd * 4 // chunk
+    linear = (cfg.num_linear_layers, b * t * (stream + mixer + chunks + state), 0, b * t * chunks)
+    return [full, linear]
+
+
+def per_chip_layer_weights(cfg: AnyConfig, layout: Layout) -> int:
+    """Elements of one layer's weights (one of each kind) on a chip once FSDP has gathered them
+    (tensor stays split)."""
     gathered = dataclasses.replace(
         layout, rules=tuple((n, None if n == "embed" else a) for n, a in layout.rules)
     )
@@ -199,7 +244,7 @@ class Plan:
 
 
 def plan_run(
-    model: ModelConfig,
+    model: AnyConfig,
     learner: LearnerConfig,
     buckets: Sequence[Sequence[int]],
     recipe: SliceConfig,
@@ -286,7 +331,7 @@ def run_settings(spec: str) -> tuple[LearnerConfig, tuple[tuple[int, int], ...],
 
 
 def advice(
-    model: ModelConfig,
+    model: AnyConfig,
     learner: LearnerConfig,
     buckets: Sequence[Sequence[int]],
     recipe: SliceConfig,
@@ -382,7 +427,9 @@ def table(plan: Plan) -> str:
 class PlanArgs:
     """`python -m harnessrl.learner.plan`: bytes per chip of a run, from shapes alone."""
 
-    model: str = ""  # a named shape (qwen3-8b, smollm2, tiny), an HF folder, or a config.json
+    model: str = (
+        ""  # a named shape (qwen3-8b, qwen3_5-9b, smollm2, tiny), an HF folder or config.json
+    )
     mesh: str = "cpu"  # a tpu_configs recipe (name or path), a train config YAML, or all
     seq_len: int | None = None  # plan one micro-batch of this row length instead of the buckets
     rows: int | None = None  # rows of that micro-batch (default: one per data x fsdp shard)
@@ -450,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def plan_cli(model: ModelConfig, cli: PlanArgs, spec: str) -> tuple[Plan, list[str]]:
+def plan_cli(model: AnyConfig, cli: PlanArgs, spec: str) -> tuple[Plan, list[str]]:
     """One recipe's plan with the command line's overrides, and what to change if it cannot fit."""
     learner, buckets, recipe = run_settings(spec)
     changes = {k: getattr(cli, k) for k in ("remat", "zero3") if getattr(cli, k) is not None}
