@@ -242,3 +242,24 @@ def test_main_builds_the_spec_from_flags(monkeypatch: pytest.MonkeyPatch) -> Non
         seen["ssl_certfile"] == "c.pem" and seen["ssl_keyfile"] == "k.pem" and seen["port"] == 9443
     )
     assert seen["spec"] == SidecarSpec(image="reg/x:1", upstream="http://a:1,http://b:2", port=9090)
+
+
+def test_a_tokenizer_folder_must_be_on_the_sidecars_shared_claim() -> None:
+    for bad in ({"tokenizer": "/models/base"},
+                {"tokenizer": "/models/base", "shared_claim": "harnessrl-shared"}):  # fmt: skip
+        with pytest.raises(ValueError, match="shared_claim to the PVC"):
+            SidecarSpec(**bad)
+    spec = SidecarSpec(tokenizer="/shared/models/base", shared_claim="harnessrl-shared")
+    assert SidecarSpec(tokenizer="smollm2").sees("smollm2")  # a name: nothing to mount
+    review = load("pod_job_labelled.json")
+    out = review_response(review, spec)["response"]
+    pod = apply_patch(review["request"]["object"], json.loads(base64.b64decode(out["patch"])))
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["args"][-2:] == ["--tokenizer", "/shared/models/base"]
+    (mount,) = sidecar["volumeMounts"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] and volume["persistentVolumeClaim"] == {
+        "claimName": "harnessrl-shared", "readOnly": True}  # fmt: skip
+    assert not any(c.get("volumeMounts") for c in pod["spec"]["containers"])  # the harness: none
+    again = review_response({**review, "request": {**review["request"], "object": pod}}, spec)
+    assert "patch" not in again["response"]  # reinvocation adds nothing twice
