@@ -8,9 +8,11 @@ overheads are the sidecar's added latency (p50/p99 of through-sidecar minus dire
 non-streaming, capture and durable SQLite storage on) and the ratio is LiteLLM's added p50 over
 ours. `lost` counts 200 responses through a sidecar whose call is missing from its store.
 
-Token-in rows follow (sidecar_tokenin.py): Responses and Messages calls, which the sidecar renders
-and tokenizes itself, beside pass-through chat calls of the same conversation at 1k and 16k
-tokens, one client, non-streaming. The last line adds, per context size (`_1k`, `_16k`),
+Token-in rows follow (sidecar_tokenin.py): an agent loop's growing conversation at about 1k and
+16k tokens (each call adds the function call the sidecar answered and its output) as Responses and
+Messages calls, which the sidecar renders and tokenizes itself, beside pass-through chat calls of
+the same conversation, one client, non-streaming. The last line adds, per context size (`_1k`,
+`_16k`),
 `tokenin_p50_ms` / `tokenin_p99_ms` (Responses through the sidecar minus the upstream's
 completions on the same token-id prompt), `messages_p50_ms`, `passthrough_p50_ms` /
 `passthrough_p99_ms` (chat through the sidecar minus chat direct) and `tokenin_ratio` (the p50s'

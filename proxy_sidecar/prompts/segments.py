@@ -95,6 +95,20 @@ class Segments:
     nbytes: int
 
 
+@dataclass
+class Plan:
+    """One call's pieces, what is known of them, and the segments left to tokenize."""
+
+    pieces: Sequence[str]
+    used: dict[str, Ids]  # text → ids, of the pieces and segments known
+    cut: dict[str, list[str]]  # the pieces not known, and their segments
+    missing: dict[str, None]  # the segments left, in order
+
+    @property
+    def missing_chars(self) -> int:
+        return sum(map(len, self.missing))
+
+
 class Tokenize:
     """Text pieces → ids, reusing what the rollout's previous call tokenized."""
 
@@ -108,38 +122,44 @@ class Tokenize:
     def __call__(
         self, pieces: Sequence[str], known: Mapping[str, Ids] | None
     ) -> tuple[list[Ids], Segments]:
-        """Each piece's ids. A piece the previous call had is reused whole; any other is cut
-        into segments, those the previous call had are reused and the rest tokenized, in one
-        batch. `known` is only read: calls may share it across threads."""
+        return self.finish(self.plan(pieces, known))
+
+    def plan(self, pieces: Sequence[str], known: Mapping[str, Ids] | None) -> Plan:
+        """What of the pieces is known: a piece the previous call had is reused whole; any other
+        is cut into segments, of which those the previous call had are reused. `known` is only
+        read: calls may share it across threads."""
         known = known or {}
-        used: dict[str, Ids] = {}
-        cut: dict[str, list[str]] = {}  # the pieces not known, and their segments
-        missing: dict[str, None] = {}
+        plan = Plan(pieces, {}, {}, {})
         for piece in pieces:
             ids = known.get(piece)
             if ids is not None:
-                used[piece] = ids
-            elif piece not in cut:
-                cut[piece] = segments = self.cutter.cut(piece)
+                plan.used[piece] = ids
+            elif piece not in plan.cut:
+                plan.cut[piece] = segments = self.cutter.cut(piece)
                 for segment in segments:
                     ids = known.get(segment)
                     if ids is None:
-                        missing[segment] = None
+                        plan.missing[segment] = None
                     else:
-                        used[segment] = ids
-        if missing:
-            texts = list(missing)
+                        plan.used[segment] = ids
+        return plan
+
+    def finish(self, plan: Plan) -> tuple[list[Ids], Segments]:
+        """Each piece's ids: the segments left are tokenized, in one batch."""
+        used = plan.used
+        if plan.missing:
+            texts = list(plan.missing)
             for text, encoding in zip(
                 texts, self._encode(texts, add_special_tokens=False), strict=True
             ):
                 used[text] = self._intern(encoding.ids)
-        for piece, segments in cut.items():
+        for piece, segments in plan.cut.items():
             whole: list[int] = []
             for segment in segments:
                 whole += used[segment]
             used[piece] = tuple(whole)
         nbytes = sum(len(text) + 8 * len(ids) + ENTRY_BYTES for text, ids in used.items())
-        return [used[piece] for piece in pieces], Segments(used, nbytes)
+        return [used[piece] for piece in plan.pieces], Segments(used, nbytes)
 
     def _intern(self, ids: list[int]) -> Ids:
         try:

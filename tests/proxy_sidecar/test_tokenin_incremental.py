@@ -5,6 +5,7 @@ and the tokens the cutter refuses, with the reason shown on the tokenizer itself
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -16,8 +17,11 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
 from harnessrl.model.tokenizer import ChatTokenizer
+from proxy_sidecar.dialects import endpoint
+from proxy_sidecar.dialects.call import Conversation
+from proxy_sidecar.dialects.endpoint import TokenIn
 from proxy_sidecar.dialects.tokens import Renderer, template_messages
-from proxy_sidecar.prompt_cache.segments import (
+from proxy_sidecar.prompts.segments import (
     Cutter,
     SegmentCache,
     Segments,
@@ -278,3 +282,48 @@ def test_tokens_that_tokenizing_could_cross_are_not_cut_at() -> None:
     assert apart("a ", "<L>") != tok.encode("a <L>", add_special_tokens=False).ids
     assert apart("ax", "<A>") != tok.encode("ax<A>", add_special_tokens=False).ids
     assert apart("a ", "<B>") == tok.encode("a <B>", add_special_tokens=False).ids
+
+
+def test_token_in_renders_long_work_on_a_thread_and_keeps_each_rollouts_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokenizer()  # skips without the shipped tokenizer
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def to_thread(fn: Any, *args: Any) -> Any:
+        hops.append(fn.__name__)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(endpoint.asyncio, "to_thread", to_thread)
+    tokenin = TokenIn()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the test."}]
+
+    async def call(rollout: str) -> tuple[int, ...]:
+        hops.clear()
+        prompt = await tokenin.prompt(rollout, Conversation(messages, TOOLS))
+        assert tokenin.renderer is not None
+        expected = tokenin.renderer.render(messages, TOOLS, [None] * len(messages)).ids
+        assert prompt.ids == expected
+        return prompt.ids
+
+    async def run() -> None:
+        await tokenin.load("tiny")
+        hops.clear()
+        await call("r")
+        assert hops == []  # short: rendered and tokenized on the event loop
+        messages.append({"role": "user", "content": "log: " + "x = f(1)\n" * 1000})
+        await call("r")
+        assert hops == ["finish"]  # 9k new characters: tokenized on a thread
+        await call("r")
+        assert hops == []  # the same again: nothing left to tokenize
+        messages.extend({"role": "user", "content": f"go {i}"} for i in range(300))
+        await call("r")
+        assert hops == ["prepare", "finish"]  # 302 messages: the template runs on a thread
+        await call("r")
+        assert hops == ["prepare"]  # their text is known now
+        await call("other")
+        assert hops == ["prepare", "finish"]  # a new rollout tokenizes everything
+        assert len(tokenin.segments) == 2
+
+    asyncio.run(run())
