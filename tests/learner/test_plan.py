@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -193,3 +195,22 @@ def test_recipe_fields_are_documented_in_every_tpu_config():
     for path in sorted(TPU_CONFIGS_DIR.glob("*.yaml")):
         recipe = load_slice_config(str(path), check_devices=False)
         assert recipe.chip_memory_gib > 0 or recipe.platform == "cpu", path.name
+
+
+def test_planning_touches_no_device():
+    """The loop plans before `jax.distributed` starts and before XLA reads its flags."""
+    code = (
+        "import os, jax\n"
+        "from harnessrl.learner.plan import check_fits, run_settings\n"
+        "learner, buckets, _ = run_settings('recipes/qwen3-8b-swe-8xh100.yaml')\n"
+        "assert check_fits('qwen3-8b', learner, buckets).fits\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'\n"
+        "print(jax.device_count())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "3"
