@@ -1,10 +1,13 @@
-"""Benchmark: decoder forward+backward tokens/s (SmolLM2, fixed `[rows, len]`) and its share of matmul peak.
+"""Benchmark: decoder forward+backward tokens/s (fixed `[rows, len]`) and its share of matmul peak.
 
 In one run: (1) this machine's matmul peak, the best rate of a large jitted float32 `a @ b`;
 (2) our decoder's jitted forward+backward of a token-mean cross-entropy on random tokens;
 (3) if PyTorch is installed, transformers' model doing the same on the same weights, side by side.
-FLOPs per token (PaLM accounting): 6 x N_matmul + 12 x layers x heads x head_dim x len, where
-N_matmul counts q/k/v/o, gate/up/down and the LM head (the embedding lookup is not a matmul).
+`--family llama` (default) loads `--model` (SmolLM2); `--family qwen3_5` builds a random Qwen3.5
+text model of a named shape (`qwen3_5-9b-shape`: Qwen3.5-9B's widths) with `--layers` layers.
+FLOPs per token (PaLM accounting): 6 x N_matmul + 12 x attention layers x heads x head_dim x len,
+where N_matmul counts every projection and the LM head (the embedding lookup is not a matmul);
+Qwen3.5 adds its chunked delta rule's matmuls (`qwen35_flops_per_token`).
 Last line: `model: tokens_per_s=<x> peak_fraction=<y>` (plus `vs_torch=` when torch ran).
 """
 
@@ -22,6 +25,12 @@ from flax import nnx
 
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
+from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+
+# Qwen3.5 runs at real widths; off accelerators a shorter row and a smaller vocab keep the run
+# within minutes and host memory (the per-layer cost is what they measure).
+QWEN35_CPU = dict(rows=1, length=128, vocab=16384)
+QWEN35_ACCEL = dict(rows=1, length=4096, vocab=0)  # vocab 0: the shape's own (248320)
 
 
 def matmul_peak(size: int = 2048, repeats: int = 8) -> float:
@@ -52,6 +61,35 @@ def flops_per_token(cfg: ModelConfig, length: int) -> float:
     return 6.0 * matmul_params + 12.0 * cfg.num_layers * h * e * length
 
 
+def qwen35_flops_per_token(cfg: Qwen35Config, length: int) -> float:
+    """As `flops_per_token`, plus per DeltaNet value head the chunk's matmuls (k k^T, q k^T, the
+    two inverse products, intra-chunk read: c x (3 dk + 2 dv)) and the state's (3 dk dv)."""
+    d, f, h, e, k = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.head_dim,
+        cfg.num_kv_heads,
+    )
+    r, dk, hv, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_num_value_heads,
+        cfg.linear_value_head_dim,
+    )
+    linear = (
+        d * (2 * r * dk + 2 * hv * dv + 2 * hv) + hv * dv * d + 3 * d * f
+    )  # qkv z b a; out; mlp
+    full = d * (2 * h * e + 2 * k * e) + h * e * d + 3 * d * f  # q and gate, k v; o; mlp
+    matmul_params = cfg.num_linear_layers * linear + cfg.num_groups * full + d * cfg.vocab_size
+    chunk = cfg.chunk_size * (3 * dk + 2 * dv) + 3 * dk * dv
+    return (
+        6.0 * matmul_params
+        + 12.0 * cfg.num_groups * h * e * length
+        + 6.0 * cfg.num_linear_layers * hv * chunk
+    )  # fmt: skip
+
+
 def best_seconds(step: Callable[[], object], repeats: int) -> float:
     jax.block_until_ready(step())  # compile and warm up
     times = []
@@ -62,7 +100,7 @@ def best_seconds(step: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def ours_step(model: Decoder, tokens: np.ndarray) -> Callable[[], object]:
+def ours_step(model: Decoder | Qwen35Decoder, tokens: np.ndarray) -> Callable[[], object]:
     graphdef, params = nnx.split(model, nnx.Param)
     rows, length = tokens.shape
     tokens_bt = jnp.asarray(tokens)
@@ -80,7 +118,7 @@ def ours_step(model: Decoder, tokens: np.ndarray) -> Callable[[], object]:
     return lambda: grad_step(params)
 
 
-def torch_reference(model: Decoder, attn: str = "sdpa") -> Any:
+def torch_reference(model: Decoder | Qwen35Decoder, attn: str = "sdpa") -> Any:
     """transformers' PyTorch model holding exactly `model`'s weights (float32, no random init).
 
     Raises ImportError when torch is not installed (it is a dev extra).
@@ -91,23 +129,25 @@ def torch_reference(model: Decoder, attn: str = "sdpa") -> Any:
 
     from harnessrl.model.export import params_numpy
     from harnessrl.model.hf_import import hf_from_params
+    from harnessrl.model.qwen3_5.hf import hf_from_params as qwen35_hf_from_params
 
     hf_config = model.cfg.to_hf_config()
+    if isinstance(model, Qwen35Decoder):
+        tensors = qwen35_hf_from_params(model.cfg, params_numpy(model))
+    else:
+        tensors = hf_from_params(model.cfg, params_numpy(model))
     with no_init_weights():  # every weight is overwritten below; random init would only cost time
         reference = AutoModelForCausalLM.from_config(
             AutoConfig.for_model(**hf_config), attn_implementation=attn, dtype=torch.float32
         )
-    state = {
-        k: torch.from_numpy(np.array(v, np.float32))
-        for k, v in hf_from_params(model.cfg, params_numpy(model)).items()
-    }
+    state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in tensors.items()}
     if hf_config["tie_word_embeddings"]:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     reference.load_state_dict(state, strict=True)
     return reference
 
 
-def torch_step(model: Decoder, tokens: np.ndarray) -> Callable[[], object] | None:
+def torch_step(model: Decoder | Qwen35Decoder, tokens: np.ndarray) -> Callable[[], object] | None:
     try:
         import torch
     except ImportError:
@@ -123,45 +163,70 @@ def torch_step(model: Decoder, tokens: np.ndarray) -> Callable[[], object] | Non
     return step
 
 
+def qwen35_model(args: argparse.Namespace) -> Qwen35Decoder:
+    """A random Qwen3.5 text model of `--shape` with `--layers` layers (and `--vocab` if set)."""
+    from harnessrl.model.load import QWEN35_SHAPES
+
+    if args.shape not in QWEN35_SHAPES:
+        raise ValueError(f"--shape {args.shape!r} is not one of {sorted(QWEN35_SHAPES)}")
+    shape = {**QWEN35_SHAPES[args.shape], "num_layers": args.layers}
+    cfg = Qwen35Config(**shape, **({"vocab_size": args.vocab} if args.vocab else {}))
+    return Qwen35Decoder(cfg, rngs=nnx.Rngs(0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="smollm2", help="smollm2 | HF folder | .gguf path")
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--family", default="llama", choices=("llama", "qwen3_5"))
+    parser.add_argument("--model", default="smollm2", help="llama: smollm2 | HF folder | .gguf")
+    parser.add_argument("--shape", default="qwen3_5-9b-shape", help="qwen3_5: a named shape")
+    parser.add_argument("--layers", type=int, default=4, help="qwen3_5: layers (interval 4: 3+1)")
+    parser.add_argument("--vocab", type=int, help="qwen3_5: vocab (default: 16384 on CPU, real)")
+    parser.add_argument("--rows", type=int, help="default 8 (qwen3_5: 1)")
+    parser.add_argument("--length", type=int, help="default 256 (qwen3_5: 128 on CPU, else 4096)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (best is kept)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch side-by-side run")
     args = parser.parse_args()
+    device = jax.devices()[0]
+    qwen = QWEN35_CPU if device.platform == "cpu" else QWEN35_ACCEL
+    defaults = qwen if args.family == "qwen3_5" else dict(rows=8, length=256, vocab=0)
+    for key, value in defaults.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.rows <= 0 or args.length <= 1:
         raise ValueError(f"--rows must be > 0 and --length > 1, got {args.rows} and {args.length}")
 
     from harnessrl.model.load import load_model
 
-    device = jax.devices()[0]
     print(f"device: {len(jax.devices())} x {device.device_kind}")
     peak = matmul_peak()
     print(f"matmul peak float32: {peak / 1e9:.1f} GFLOP/s (2048^3 jnp.dot, best of 3)")
-    loaded = load_model(args.model)
-    cfg, n = loaded.config, args.rows * args.length
-    if not isinstance(cfg, ModelConfig) or not isinstance(loaded.model, Decoder):
-        raise ValueError(
-            f"--model {args.model!r}: this benchmark measures the Llama/Qwen2/Qwen3 decoder"
-        )
+    model: Decoder | Qwen35Decoder
+    if args.family == "qwen3_5":
+        model = qwen35_model(args)
+        fpt = qwen35_flops_per_token(model.cfg, args.length)
+    else:
+        loaded = load_model(args.model)
+        if not isinstance(loaded.config, ModelConfig) or not isinstance(loaded.model, Decoder):
+            raise ValueError(
+                f"--model {args.model!r} is a {loaded.config.family} model: pass --family"
+            )
+        model, fpt = loaded.model, flops_per_token(loaded.config, args.length)
+    cfg, n = model.cfg, args.rows * args.length
     tokens = np.random.default_rng(0).integers(
         0, cfg.vocab_size, (args.rows, args.length), dtype=np.int32
     )
-    fpt = flops_per_token(cfg, args.length)
     print(
-        f"model: {cfg.family} {cfg.num_layers} layers d={cfg.hidden_size}; {fpt / 1e9:.3f} GFLOP/token "
-        f"(6*N_matmul + 12*L*H*E*len); batch {args.rows}x{args.length}, float32"
+        f"model: {cfg.family} {cfg.num_layers} layers d={cfg.hidden_size} vocab={cfg.vocab_size}; "
+        f"{fpt / 1e9:.3f} GFLOP/token; batch {args.rows}x{args.length}, float32"
     )
-    seconds = best_seconds(ours_step(loaded.model, tokens), args.repeats)
+    seconds = best_seconds(ours_step(model, tokens), args.repeats)
     tokens_per_s = n / seconds
     fraction = tokens_per_s * fpt / peak
     print(
         f"ours  fwd+bwd: {seconds:6.2f} s/step  {tokens_per_s:8.1f} tokens/s  {tokens_per_s * fpt / 1e9:6.1f} GFLOP/s"
     )
     extra = ""
-    step = None if args.no_torch else torch_step(loaded.model, tokens)
+    step = None if args.no_torch else torch_step(model, tokens)
+    del model  # the torch copy holds the weights now; host memory is the limit at real widths
     if step is not None:
         torch_seconds = best_seconds(step, args.repeats)
         print(

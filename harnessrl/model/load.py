@@ -159,6 +159,9 @@ QWEN35_SHAPES: dict[str, dict[str, Any]] = {
         head_dim=64, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=64,
         linear_value_head_dim=64,
     ),
+    # Qwen3.5-9B's text widths (Qwen35Config's defaults) at one group: 3 DeltaNet + 1 attention
+    # layer, for measuring the per-layer cost (benchmarks.model --family qwen3_5 --layers N).
+    "qwen3_5-9b-shape": dict(num_layers=4),
 }  # fmt: skip
 
 
