@@ -224,11 +224,14 @@ def test_a_connection_cut_at_any_byte_never_leaves_half_a_record(
     """Four writes, the connection cut once at a random byte of their traffic: each write is
     stored exactly once and whole (no call without its neighbours, no truncated response, no
     rollout left behind its calls), and every call reads back as written."""
-    store = PostgresTraceStore(through(proxy, pg_dsn))
     if not _sizes:  # the traffic of one uncut sequence, to place the cut inside it
-        before = dict(proxy.sent)
-        _sequence(store, "p9999")
-        _sizes.update({d: proxy.sent[d] - before[d] for d in ("up", "down")})
+        with PostgresTraceStore(through(proxy, pg_dsn)) as sizing:
+            before = dict(proxy.sent)
+            _sequence(sizing, "p9999")
+            _sizes.update({d: proxy.sent[d] - before[d] for d in ("up", "down")})
+    # A new session each time: psycopg prepares a statement run often on one connection, which
+    # would make the traffic shorter than the sizing run's.
+    store = PostgresTraceStore(through(proxy, pg_dsn))
     rid = f"p{len(store.rollouts('prop')):04d}"  # ids of one length: the same traffic each time
     cuts = proxy.cuts
     # (Timestamps are sent as text, a byte or two shorter or longer: stay clear of the end.)
