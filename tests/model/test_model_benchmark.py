@@ -1,0 +1,52 @@
+"""`python -m harnessrl.benchmarks.model --family qwen3_5` on a tiny shape: ours and transformers'
+Qwen3.5 forward+backward on the same weights, ending with the benchmark's one-line summary."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from harnessrl.benchmarks.model import qwen35_flops_per_token
+from harnessrl.model.load import QWEN35_SHAPES
+from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+
+ROOT = Path(__file__).resolve().parents[2]
+FINAL = re.compile(
+    r"^model: tokens_per_s=(\d+\.\d) peak_fraction=(\d+\.\d{3}) vs_torch=(\d+\.\d\d)$"
+)
+
+
+def test_9b_shape_is_qwen35_9b_text_model() -> None:
+    cfg = Qwen35Config(**QWEN35_SHAPES["qwen3_5-9b-shape"])
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (4096, 12288, 248320)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (16, 4, 256, 64)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 32)
+    # At length 1 the FLOPs are 6 x the projection weights (the `w*` params and the LM head;
+    # not the embedding lookup, norms or conv) plus the small per-token delta-rule term.
+    abstract = nnx.eval_shape(lambda: Qwen35Decoder(cfg, rngs=nnx.Rngs(0)))
+    flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+    n_matmul = sum(v.size for path, v in flat if str(path[-1]).startswith(("w", "lm_head")))
+    assert qwen35_flops_per_token(cfg, 1) == pytest.approx(6 * n_matmul, rel=0.02)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HARNESSRL_SLOW"),
+    reason="imports torch and runs transformers' reference delta rule: set HARNESSRL_SLOW=1",
+)
+def test_qwen3_5_family_runs_against_transformers() -> None:
+    argv = [sys.executable, "-m", "harnessrl.benchmarks.model", "--family", "qwen3_5",
+            "--shape", "tiny-qwen3_5", "--vocab", "128", "--length", "32", "--repeats", "1"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = FINAL.match(last)
+    assert m, f"last line is {last!r}"
+    assert float(m[1]) > 0 and float(m[3]) > 0
+    assert "model: qwen3_5 4 layers d=32 vocab=128" in proc.stdout
