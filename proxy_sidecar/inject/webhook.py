@@ -59,11 +59,11 @@ class SidecarSpec:
         if not isinstance(self.image, str) or not self.image:
             raise ValueError(f"SidecarSpec.image must be a container image, got {self.image!r}")
         if not isinstance(self.upstream, str) or not self.upstream.startswith(
-            ("http://", "https://")
+            ("http://", "https://", "k8s://")
         ):
             raise ValueError(
-                f"SidecarSpec.upstream must be http(s) URL(s), got {self.upstream!r}; "
-                "e.g. http://vllm.harnessrl.svc.cluster.local:8000"
+                f"SidecarSpec.upstream must be http(s) URL(s) or k8s://NAMESPACE/SERVICE:PORT "
+                f"(every replica of a Service), got {self.upstream!r}; e.g. k8s://harnessrl/vllm:8000"
             )
         if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise ValueError(f"SidecarSpec.port must be an int in 1..65535, got {self.port!r}")

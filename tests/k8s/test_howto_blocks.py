@@ -11,17 +11,21 @@ config's sidecars read are all created by the guide; the GKE cluster enforces Ne
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import importlib
 import io
 import itertools
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import kubernetes_validate
 import pytest
@@ -215,8 +219,31 @@ def check_ours(command: Command) -> None:
     elif module == "harnessrl.train":
         overrides = [w for w in args if re.fullmatch(r"[a-z_]+(\.[a-z_]+)+=.*", w)]
         load_config(None, overrides)
+    elif module.startswith(("harnessrl.benchmarks.", "harnessrl.learner.plan")):
+        parse_only(module, args)
     elif module != "pytest":
         pytest.fail(f"{command}: no check for python -m {module}")
+
+
+class _Parsed(Exception):
+    """Raised in place of running a tool once its command line parsed."""
+
+
+def parse_only(module: str, args: list[str]) -> None:
+    """The tool's own argparse takes `args` (an unknown flag or bad value exits), nothing runs."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self: argparse.ArgumentParser, *a: Any, **kw: Any) -> Any:
+        parse(self, *a, **kw)
+        raise _Parsed
+
+    main = importlib.import_module(module).main
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
+        mock.patch.object(sys, "argv", [module, *args]),
+        pytest.raises(_Parsed),
+    ):
+        main()
 
 
 def assigned(command: Command) -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from harnessrl.fleet.replicas import SERVICE_LABEL
+from proxy_sidecar.inject.webhook import SidecarSpec, sidecar_container
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"
 
@@ -24,3 +25,23 @@ def test_the_train_role_lists_endpointslices() -> None:
     assert binding["subjects"][0]["name"] == "harnessrl-train"
     # The label Kubernetes puts on a Service's slices, which the lookup selects by.
     assert SERVICE_LABEL == "kubernetes.io/service-name"
+
+
+def test_the_shipped_train_run_and_webhook_name_every_replica(tmp_path: Path) -> None:
+    """A Service's DNS name picks one replica per lookup: pushes and calls name the Service as
+    k8s:// so every replica is pushed and each call knows which replica served it."""
+    config = yaml.safe_load((K8S / "base" / "train-config.yaml").read_text())
+    train = yaml.safe_load(config["data"]["train.yaml"])
+    assert train["rollout"]["servers"] == "k8s://harnessrl/vllm:8000"
+    webhook = [d for d in yaml.safe_load_all((K8S / "base" / "webhook.yaml").read_text()) if d]
+    args = [
+        a
+        for d in webhook
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for a in c.get("args", [])
+    ]
+    assert "--upstream=k8s://harnessrl/vllm:8000" in args
+    # The spec the loop and the webhook build takes it (the sidecar resolves it itself).
+    spec = SidecarSpec(image="harnessrl:test", upstream="k8s://harnessrl/vllm:8000")
+    assert "k8s://harnessrl/vllm:8000" in sidecar_container(spec)["args"]
