@@ -24,6 +24,7 @@ from harnessrl.traces.schema import (
     UnknownRollout,
     policy_version_error,
 )
+from harnessrl.traces.sql import StoreUnavailable
 from proxy_sidecar.budget import BodyBudget
 from proxy_sidecar.config import MODES, SidecarConfig
 from proxy_sidecar.errors import (
@@ -316,6 +317,8 @@ class RolloutEndpoint:
             await send_error(send, NotFound(str(err)))
         except InvalidTransition as err:
             await send_error(send, Conflict(str(err)))
+        except StoreUnavailable as err:  # past the store's reconnect budget: nothing was written
+            await send_error(send, Unavailable(f"trace store unavailable: {err}", retry_after_s=5))
         except (ValueError, TypeError) as err:
             await send_error(send, BadRequest(str(err)))
         except SidecarError as err:

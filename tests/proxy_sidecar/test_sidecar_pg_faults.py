@@ -18,6 +18,7 @@ from pg_cluster import PgCluster
 from sidecar_proc import start_sidecar, start_upstream, stop
 
 from harnessrl.traces.postgres import PostgresTraceStore
+from harnessrl.traces.schema import RolloutRecord
 
 pytestmark = pytest.mark.postgres
 
@@ -160,3 +161,23 @@ def test_an_outage_past_the_reconnect_budget_fails_calls_cleanly(
     assert not streamed.whole and b"trace store could not record the call" in streamed.raw
     assert stored_texts(store, "o") == ["o call 0", "o call 3"]  # nothing of the failed calls
     assert "sidecar_store_errors_total 2.0" in httpx.get(sc.url + "/metrics").text
+
+
+def test_a_reward_during_an_outage_past_the_budget_is_a_503_then_lands(
+    fake: Any, make_sidecar: Any, pg_dsn: str, pg_ctl: PgCluster
+) -> None:
+    store = PostgresTraceStore(pg_dsn, reconnect_timeout_s=0.5)
+    sc = make_sidecar((fake[1].url,), store=store, control_token="t0ken")
+    store.create_rollout(RolloutRecord("r", task_id="t", group_id="g"))
+    auth = {"authorization": "Bearer t0ken"}
+    pg_ctl.stop()
+    try:
+        r = httpx.post(sc.url + "/rollouts/r/reward", json={"reward": 1.0}, headers=auth)
+    finally:
+        pg_ctl.start()
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    error = r.json()["error"]
+    assert error["type"] == "service_unavailable" and "trace store unavailable" in error["message"]
+    # The harness retries as told; the same sidecar's store is back.
+    r = httpx.post(sc.url + "/rollouts/r/reward", json={"reward": 1.0}, headers=auth)
+    assert r.status_code == 200 and store.rollout("r").reward == 1.0
