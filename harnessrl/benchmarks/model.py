@@ -27,10 +27,11 @@ from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 
-# Qwen3.5 runs at real widths; off accelerators a shorter row and a smaller vocab keep the run
-# within minutes and host memory (the per-layer cost is what they measure).
-QWEN35_CPU = dict(rows=1, length=128, vocab=16384)
-QWEN35_ACCEL = dict(rows=1, length=4096, vocab=0)  # vocab 0: the shape's own (248320)
+# Qwen3.5 on accelerators: Qwen3.5-9B's widths. On CPU SmolLM2's widths, a short row and a small
+# vocab: the 9B widths need ~11 GB of host memory for our step alone (weights, gradients and a
+# layer's slices, float32 at 4 layers), as much again for transformers'.
+QWEN35_CPU = dict(shape="smollm2-qwen3_5", rows=1, length=128, vocab=16384)
+QWEN35_ACCEL = dict(shape="qwen3_5-9b-shape", rows=1, length=4096, vocab=0)  # 0: the shape's own
 
 
 def matmul_peak(size: int = 2048, repeats: int = 8) -> float:
@@ -178,7 +179,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--family", default="llama", choices=("llama", "qwen3_5"))
     parser.add_argument("--model", default="smollm2", help="llama: smollm2 | HF folder | .gguf")
-    parser.add_argument("--shape", default="qwen3_5-9b-shape", help="qwen3_5: a named shape")
+    parser.add_argument(
+        "--shape", help="qwen3_5: a named shape (qwen3_5-9b-shape; CPU: smollm2-qwen3_5)"
+    )
     parser.add_argument("--layers", type=int, default=4, help="qwen3_5: layers (interval 4: 3+1)")
     parser.add_argument("--vocab", type=int, help="qwen3_5: vocab (default: 16384 on CPU, real)")
     parser.add_argument("--rows", type=int, help="default 8 (qwen3_5: 1)")
@@ -188,7 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     device = jax.devices()[0]
     qwen = QWEN35_CPU if device.platform == "cpu" else QWEN35_ACCEL
-    defaults = qwen if args.family == "qwen3_5" else dict(rows=8, length=256, vocab=0)
+    defaults = qwen if args.family == "qwen3_5" else dict(shape="", rows=8, length=256, vocab=0)
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.rows <= 0 or args.length <= 1:
