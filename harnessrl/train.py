@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from harnessrl.fleet import (
     served_tokenizer,
 )
 from harnessrl.learner.hosts import LeadLearner, follow
-from harnessrl.learner.mesh import init_distributed
+from harnessrl.learner.mesh import init_distributed, logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.plan import check_fits
 from harnessrl.learner.step import Learner
 from harnessrl.model.load import load_policy
@@ -182,8 +183,9 @@ def setup(cfg: TrainConfig, started: float) -> Run:
     train_tasks, eval_tasks, coding = load_task_sets(cfg)
     evaluate = make_evaluator(cfg, coding)  # fails on a bad name before anything starts
     launcher = make_launcher(cfg, coding)
-    model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)
-    learner = LeadLearner(make_learner(cfg, model))
+    # Remote servers load their own copy: the learner's is read straight into its shards.
+    model, tokenizer, policy_learner = load_learner(cfg, sharded=bool(cfg.rollout.servers))
+    learner = LeadLearner(policy_learner)
     store_url = cfg.rollout.store or f"sqlite:///{(out / 'traces.db').absolute()}"
     store = open_store(store_url)
     serving = start_serving(cfg, model, tokenizer, out)
@@ -224,19 +226,25 @@ def make_evaluator(cfg: TrainConfig, coding: Coding) -> Evaluate:
     return get_evaluator(cfg.rollout.evaluator)
 
 
-def make_learner(cfg: TrainConfig, model: Any) -> Learner:
+def load_learner(cfg: TrainConfig, sharded: bool) -> tuple[Any, Any, Learner]:
+    """The policy, its tokenizer and its learner. `sharded`: the checkpoint is read straight
+    into the learner's shards (each device gets only its own); else the policy is built whole
+    on one device, as the embedded server takes it, and the learner places a copy."""
     learner_cfg = cfg.learner
     if learner_cfg.checkpoint_dir is None:
         folder = Path(cfg.run.out_dir) / "checkpoints"
         learner_cfg = learner_cfg.replace(checkpoint_dir=str(folder.absolute()))
-    return Learner(model, learner_cfg)
+    mesh = make_mesh(learner_cfg.mesh)
+    with use_mesh(mesh, logical_axis_rules(learner_cfg.zero3)) if sharded else nullcontext():
+        model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)
+    return model, tokenizer, Learner(model, learner_cfg, mesh)
 
 
 def follow_leader(cfg: TrainConfig) -> int:
     """Processes > 0 of a multi-process learner: hold shards, make process 0's learner calls."""
-    model, _ = load_policy(cfg.serve.model, seed=cfg.run.seed)
+    _, _, learner = load_learner(cfg, sharded=True)  # followers serve nothing
     print(f"process {jax.process_index()}: following process 0", flush=True)
-    steps = follow(make_learner(cfg, model))
+    steps = follow(learner)
     print(f"process {jax.process_index()}: done at learner step {steps}", flush=True)
     return 0
 

@@ -223,6 +223,7 @@ class Plan:
     accumulator: int  # the float32 gradient accumulator the micro-steps add into
     gradient: int  # one micro-step's gradient, before it is added (param dtype)
     reference: int  # the frozen reference policy's params when kl_coef > 0
+    load: int  # the largest param's shard, in transit from the host while the model loads
     activations_remat: int
     activations_no_remat: int
     chip_bytes: int  # 0: unknown
@@ -232,11 +233,16 @@ class Plan:
         return self.activations_remat if self.remat else self.activations_no_remat
 
     @property
+    def load_peak(self) -> int:
+        """Loading straight into shards: the params placed so far and the one arriving."""
+        return self.params + self.load
+
+    @property
     def total(self) -> int:
         state = self.params + self.optimizer + self.accumulator + self.reference
         # The apply program holds one float32 update per param instead of the micro-step's
         # gradient and activations.
-        return state + max(self.gradient + self.activations, self.accumulator)
+        return max(state + max(self.gradient + self.activations, self.accumulator), self.load_peak)
 
     @property
     def fits(self) -> bool | None:
@@ -256,10 +262,11 @@ def plan_run(
     sizes = resolve_mesh_sizes(recipe.mesh, count, source=recipe.name)
     layout = Layout(sizes, logical_axis_rules(learner.zero3))
     p = BYTES[learner.param_dtype]
-    elements = sum(
+    shards = [
         math.prod(shape) // layout.shards(names or (None,) * len(shape), shape)
         for shape, names in param_leaves(model)
-    )
+    ]
+    elements = sum(shards)
     acts = {
         remat: [
             (activation_bytes(model, layout, r, t, remat, learner.compute_dtype), (r, t))
@@ -284,6 +291,7 @@ def plan_run(
         accumulator=elements * 4,
         gradient=elements * p,
         reference=elements * p if learner.kl_coef else 0,
+        load=max(shards) * p,
         activations_remat=peak_remat[0],
         activations_no_remat=peak_plain[0],
         chip_bytes=int(chip),
@@ -411,6 +419,7 @@ def table(plan: Plan) -> str:
         ("gradient accumulator (float32)", plan.accumulator),
         ("gradient of a micro-step", plan.gradient),
         ("reference policy (kl_coef > 0)", plan.reference),
+        ("load: params + largest param's shard", plan.load_peak),
         ("activations with remat", plan.activations_remat),
         ("activations without remat", plan.activations_no_remat),
         (f"total (remat={'on' if plan.remat else 'off'})", plan.total),

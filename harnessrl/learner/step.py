@@ -85,9 +85,12 @@ class Learner:
         self._token_loss = losses.make_token_loss(
             cfg.eps_low, cfg.eps_high, cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef
         )
+        # A model loaded under this mesh hands its arrays over as they are; the first step
+        # donates them, so such a model is spent once it has trained.
         self.params = place(params, self.param_shardings)
-        # The frozen reference is held only when its KL term is on (chosen here, not in jit).
-        self.ref_params = place(params, self.param_shardings) if cfg.kl_coef else None
+        # The frozen reference is held only when its KL term is on (chosen here, not in jit); a
+        # copy, as the params' buffers are donated.
+        self.ref_params = jax.tree.map(jnp.copy, self.params) if cfg.kl_coef else None
         with use_mesh(self.mesh, self.rules):
             self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
                 self.params

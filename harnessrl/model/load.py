@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gguf import GGUFReader
+from jax.sharding import NamedSharding, PartitionSpec
 
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
@@ -104,13 +105,17 @@ def load_model(spec: str | Path, **config_overrides: Any) -> LoadedModel:
 
 
 def build_decoder(cfg: AnyConfig, params: Params) -> AnyDecoder:
-    """A decoder holding `params` (no random init); sharded by logical axes under a mesh."""
+    """A decoder holding `params` (no random init); sharded by logical axes under a mesh.
+
+    Under a mesh each device receives only its shard, sliced from the host arrays in `params`
+    (memory-mapped checkpoint tensors stay on disk until sliced), so no device ever holds a whole
+    parameter that its sharding splits.
+    """
     # Shapes only: the values are placed below, one by one, by their logical axes.
     with param_sharding():
         family: Any = Qwen35Decoder if isinstance(cfg, Qwen35Config) else Decoder
         abstract = nnx.eval_shape(lambda: family(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    rules = None if jax.sharding.get_abstract_mesh().empty else context_rules()
     wanted: dict[tuple[Any, ...], Any] = dict(nnx.to_flat_state(state))
     given = dict(_flatten(params))
     if set(wanted) != set(given):
@@ -124,12 +129,51 @@ def build_decoder(cfg: AnyConfig, params: Params) -> AnyDecoder:
             raise ValueError(
                 f"param {'/'.join(map(str, path))} has shape {value.shape}, expected {var.shape}"
             )
-        array = jnp.asarray(value, dtype=var.dtype)
-        if rules is not None:
-            spec = logical_to_spec(var.get_metadata()["out_sharding"], rules)
-            array = jax.device_put(array, spec)
-        var.set_value(array)
+        sharding = target_sharding(var)
+        if sharding is None:
+            var.set_value(jnp.asarray(value, dtype=var.dtype))
+        else:
+            var.set_value(_shard_from_host(value, np.dtype(var.dtype), sharding))
     return nnx.merge(graphdef, state)
+
+
+def _shard_from_host(host: Any, dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
+    """Each of this process's devices gets its slice of `host`, cast on the host (as
+    `jnp.asarray` would cast it), so a process reads and sends only its own shards."""
+    return jax.make_array_from_callback(
+        tuple(host.shape), sharding, lambda index: np.asarray(host[index], dtype)
+    )
+
+
+def init_decoder(family: Any, cfg: AnyConfig, seed: int) -> AnyDecoder:
+    """A randomly initialized decoder; under a mesh, initialized by one program whose outputs
+    are already sharded, so no device computes (or holds) more than its shards."""
+    build = lambda: family(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
+    if jax.sharding.get_abstract_mesh().empty:
+        return build()
+    with param_sharding():
+        graphdef, state = nnx.split(nnx.eval_shape(build))
+    shardings = jax.tree.map(
+        lambda var: target_sharding(var) or NamedSharding(jax.sharding.get_mesh(), PartitionSpec()),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    # The same random draws as the eager init (threefry values do not depend on sharding).
+    values = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, values)
+
+
+def target_sharding(var: nnx.Variable) -> NamedSharding | None:
+    """Where a param of the decoder lives under the context's mesh and rules (None: no mesh).
+
+    The same spec as the learner's `param_shardings`: a dimension its axes do not divide stays
+    whole, so the learner keeps these arrays as they are.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return None
+    mesh = jax.sharding.get_mesh()
+    names = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+    return NamedSharding(mesh, logical_to_spec(names, context_rules(), var.shape, mesh))
 
 
 def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -186,11 +230,11 @@ def load_policy(spec: str, seed: int = 0) -> tuple[AnyDecoder, ChatTokenizer]:
             bos_token_id=1,
             eos_token_id=2,
         )
-        return Qwen35Decoder(qwen, rngs=nnx.Rngs(seed)), tokenizer
+        return init_decoder(Qwen35Decoder, qwen, seed), tokenizer
     cfg = ModelConfig.tiny(
         vocab_size=tokenizer.vocab_size,
         max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,
     )
-    return Decoder(cfg, rngs=nnx.Rngs(seed)), tokenizer
+    return init_decoder(Decoder, cfg, seed), tokenizer

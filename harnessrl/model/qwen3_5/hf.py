@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
+from harnessrl.model.hf_import import read_safetensors
 from harnessrl.model.qwen3_5.config import MODEL_TYPES, Qwen35Config
 
 Params = dict[str, Any]
@@ -203,10 +203,9 @@ def read_hf_folder(path: str | Path) -> tuple[Qwen35Config, dict[str, np.ndarray
         raise ValueError(f"HF model folder {str(folder)!r} has no model.safetensors(.index.json)")
     tensors: dict[str, np.ndarray] = {}
     for name in files:
-        with safe_open(folder / name, framework="flax") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if _strip(key) is not None:  # the vision tower and MTP head stay on disk
-                    tensors[key] = np.asarray(f.get_tensor(key))
+        for key, value in read_safetensors(folder / name).items():
+            if _strip(key) is not None:  # the vision tower and MTP head stay on disk
+                tensors[key] = value
     return cfg, tensors
 
 

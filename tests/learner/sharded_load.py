@@ -1,0 +1,155 @@
+"""Load policies straight into the learner's shards on 8 simulated devices (run by
+test_sharded_load.py): an exported HF folder and random tiny policies onto fsdp=8 and ZeRO-3
+data=2,fsdp=4. Prints one JSON report: per load, the params whose sharding is not the learner's,
+every moment a whole split param sat on one device, and the params that differ from a load
+without a mesh. A control (eager init on device 0, then moved) must be caught by the same watch.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from harnessrl.learner.mesh import logical_axis_rules, make_mesh, use_mesh
+from harnessrl.learner.params import param_shardings, place, split_model
+from harnessrl.model import load
+from harnessrl.model.config import ModelConfig
+from harnessrl.model.decoder import Decoder
+from harnessrl.model.export import export_hf
+
+
+class Watch:
+    """Every array whole on one device with the shape of a param the target sharding splits,
+    seen at each shard callback, each placement call and after each load."""
+
+    def __init__(self, split_shapes: set[tuple[int, ...]]) -> None:
+        self.split_shapes = split_shapes
+        self.seen: list[str] = []
+        self.samples = 0
+
+    def look(self, where: str, extra: Any = None) -> None:
+        self.samples += 1
+        arrays = [*jax.live_arrays(), *([extra] if isinstance(extra, jax.Array) else [])]
+        for a in arrays:
+            if len(a.sharding.device_set) == 1 and tuple(a.shape) in self.split_shapes:
+                self.seen.append(f"{where}: {a.shape} on {a.sharding}")
+
+    @contextmanager
+    def on(self) -> Iterator[None]:
+        """Wrap the calls that put arrays on devices, so each one is looked at."""
+        originals = {
+            (jax, "make_array_from_callback"): jax.make_array_from_callback,
+            (jax, "device_put"): jax.device_put,
+            (jnp, "asarray"): jnp.asarray,
+            (jnp, "array"): jnp.array,
+        }
+
+        def wrapped(name: str, fn: Callable) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if name == "make_array_from_callback":
+                    inner = args[2]
+
+                    def callback(index: Any) -> Any:
+                        self.look("shard callback")
+                        return inner(index)
+
+                    args = (*args[:2], callback, *args[3:])
+                out = fn(*args, **kwargs)
+                self.look(name, out)
+                return out
+
+            return call
+
+        for (module, name), fn in originals.items():
+            setattr(module, name, wrapped(name, fn))
+        try:
+            yield
+        finally:
+            for (module, name), fn in originals.items():
+                setattr(module, name, fn)
+
+
+def split_shapes(model: nnx.Module, mesh: Any, rules: Any) -> set[tuple[int, ...]]:
+    parts, params = split_model(model)
+    shardings = param_shardings(parts, params, mesh, rules)
+    return {
+        tuple(x.shape)
+        for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
+        if not s.is_fully_replicated
+    }
+
+
+def check(name: str, make: Callable[[], nnx.Module], mesh_spec: str, zero3: bool) -> dict:
+    reference = make()  # no mesh: the single-device load the CPU run makes
+    mesh, rules = make_mesh(mesh_spec), logical_axis_rules(zero3)
+    watch = Watch(split_shapes(reference, mesh, rules))
+    # Copies: on CPU np.asarray shares the device buffer, which would keep it alive.
+    ref_leaves = [np.array(x, copy=True) for x in jax.tree.leaves(split_model(reference)[1])]
+    del reference  # off the devices before the watched load
+    gc.collect()
+    with use_mesh(mesh, rules), watch.on():
+        model = make()
+    watch.look("after load")
+    parts, params = split_model(model)
+    targets = param_shardings(parts, params, mesh, rules)
+    flat = list(zip(jax.tree.leaves(params), jax.tree.leaves(targets), strict=True))
+    wrong = [str(x.shape) for x, s in flat if not x.sharding.is_equivalent_to(s, x.ndim)]
+    kept = place(params, targets)  # what the Learner does: arrays laid out right are kept
+    copied = sum(
+        a is not b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(params), strict=True)
+    )
+    differ, ulps = [], 0
+    for x, r in zip(jax.tree.leaves(params), ref_leaves, strict=True):
+        if not np.array_equal(np.asarray(x), r):
+            differ.append(str(x.shape))
+            ulps = max(ulps, int(np.max(np.abs(np.asarray(x).view(np.int32) - r.view(np.int32)))))
+    return {
+        "name": f"{name} on {mesh_spec} zero3={zero3}",
+        "split": len(watch.split_shapes),
+        "samples": watch.samples,
+        "wrong_sharding": wrong,
+        "whole_on_one_device": watch.seen[:5],
+        "copied_by_place": copied,
+        "differ": differ,
+        "max_ulps": ulps,
+    }
+
+
+def main(folder: str) -> None:
+    cfg = ModelConfig.tiny()
+    export_hf(Decoder(cfg, rngs=nnx.Rngs(3)), Path(folder))
+    loads = {
+        "hf": lambda: load.load_model(folder).model,
+        "tiny": lambda: load.load_policy("tiny", seed=1)[0],
+        "tiny-qwen3_5": lambda: load.load_policy("tiny-qwen3_5", seed=1)[0],
+    }
+    reports = []
+    for name in sys.argv[2].split(","):
+        for mesh, zero3 in (("fsdp", False), ("data=2,fsdp=4", True)):
+            start = time.perf_counter()
+            reports.append(check(name, loads[name], mesh, zero3))
+            reports[-1]["seconds"] = round(time.perf_counter() - start, 2)
+    # The control: the old way, built whole on device 0 and then moved, must be caught.
+    mesh, rules = make_mesh("fsdp"), logical_axis_rules(False)
+    eager = Decoder(cfg, rngs=nnx.Rngs(0))
+    watch = Watch(split_shapes(eager, mesh, rules))
+    with watch.on():
+        parts, params = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
+        with use_mesh(mesh, rules):
+            place(params, param_shardings(parts, params, mesh, rules))
+    print(json.dumps({"loads": reports, "control_caught": len(watch.seen)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
