@@ -95,13 +95,14 @@ def param_shardings(
 def place(tree: Any, shardings: Any) -> Any:
     """Host (or single-device) arrays → global sharded arrays; each process fills its own shards.
 
-    An array already laid out as its sharding says (a model loaded under the learner's mesh,
+    An array that already has exactly this sharding (a model loaded under the learner's mesh,
     `harnessrl.model.load`) is taken as it is: no copy, and no gather through the host, which a
-    multi-process array would not allow.
+    multi-process array would not allow. Anything else, even a single-device array a 1-device
+    mesh would cover, is copied: the steps donate their inputs and expect these very shardings.
     """
 
     def put(x: Any, sharding: NamedSharding) -> jax.Array:
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -27,6 +27,7 @@ from harnessrl.model import load
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.export import export_hf
+from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 
 
 class Watch:
@@ -128,24 +129,33 @@ def check(name: str, make: Callable[[], nnx.Module], mesh_spec: str, zero3: bool
 
 def main(folder: str) -> None:
     cfg = ModelConfig.tiny()
-    export_hf(Decoder(cfg, rngs=nnx.Rngs(3)), Path(folder))
+    # Weights drawn on the host: an eager random init compiles one program per shape.
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))))
+    rng = np.random.default_rng(3)
+    host = jax.tree.map(lambda s: rng.normal(0, 0.02, s.shape).astype(s.dtype), shapes)
+    export_hf(load.build_decoder(cfg, host), Path(folder))
+    names = sys.argv[2].split(",")
+    qwen = Path(folder).with_name("qwen3_5")
+    if "hf-qwen3_5" in names:
+        export_hf(Qwen35Decoder(Qwen35Config.tiny(), rngs=nnx.Rngs(3)), qwen)
     loads = {
         "hf": lambda: load.load_model(folder).model,
+        "hf-qwen3_5": lambda: load.load_model(qwen).model,
+        "smollm2": lambda: load.load_model("smollm2").model,  # GGUF, dequantized on the host
         "tiny": lambda: load.load_policy("tiny", seed=1)[0],
         "tiny-qwen3_5": lambda: load.load_policy("tiny-qwen3_5", seed=1)[0],
     }
     reports = []
-    for name in sys.argv[2].split(","):
+    for name in names:
         for mesh, zero3 in (("fsdp", False), ("data=2,fsdp=4", True)):
             start = time.perf_counter()
             reports.append(check(name, loads[name], mesh, zero3))
             reports[-1]["seconds"] = round(time.perf_counter() - start, 2)
-    # The control: the old way, built whole on device 0 and then moved, must be caught.
+    # The control: the old way, whole on device 0 and then moved, must be caught.
     mesh, rules = make_mesh("fsdp"), logical_axis_rules(False)
-    eager = Decoder(cfg, rngs=nnx.Rngs(0))
-    watch = Watch(split_shapes(eager, mesh, rules))
+    watch = Watch(split_shapes(load.build_decoder(cfg, host), mesh, rules))
     with watch.on():
-        parts, params = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
+        parts, params = split_model(load.build_decoder(cfg, host))
         with use_mesh(mesh, rules):
             place(params, param_shardings(parts, params, mesh, rules))
     print(json.dumps({"loads": reports, "control_caught": len(watch.seen)}))

@@ -42,6 +42,17 @@ def test_hf_folder_loads_straight_into_fsdp_and_zero3_shards(run_script, tmp_pat
 
 @pytest.mark.skipif(
     not os.environ.get("HARNESSRL_SLOW"),
+    reason="a Qwen3.5 HF folder, and SmolLM2's GGUF dequantized twice (about 90 s): set "
+    "HARNESSRL_SLOW=1",
+)
+def test_qwen3_5_folder_and_gguf_load_straight_into_shards(run_script, tmp_path: Path):
+    report = load_report(run_script, tmp_path, "hf-qwen3_5,smollm2")
+    assert len(report["loads"]) == 4
+    assert_sharded(report, exact=True)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HARNESSRL_SLOW"),
     reason="compiles four sharded random inits (about 2 minutes): set HARNESSRL_SLOW=1",
 )
 def test_random_policies_initialize_already_sharded(run_script, tmp_path: Path):
