@@ -3,7 +3,6 @@ same tiny Qwen3 shapes, no recompiles after warm-up, and its one-line summary.""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -17,10 +16,6 @@ FINAL = re.compile(
 )
 
 
-@pytest.mark.skipif(
-    not os.environ.get("HARNESSRL_SLOW"),
-    reason="compiles a train step and five engine programs (~20 s of CPU): set HARNESSRL_SLOW=1",
-)
 def test_cpu_run_reports_rates_and_compiles_once(capsys: pytest.CaptureFixture[str]) -> None:
     device.main(["--budget-s", "600"])
     out = capsys.readouterr().out.strip().splitlines()
