@@ -419,7 +419,7 @@ def table(plan: Plan) -> str:
         ("gradient accumulator (float32)", plan.accumulator),
         ("gradient of a micro-step", plan.gradient),
         ("reference policy (kl_coef > 0)", plan.reference),
-        ("load: params + largest param's shard", plan.load_peak),
+        ("load (params + largest shard)", plan.load_peak),
         ("activations with remat", plan.activations_remat),
         ("activations without remat", plan.activations_no_remat),
         (f"total (remat={'on' if plan.remat else 'off'})", plan.total),

@@ -69,7 +69,7 @@ def test_planner_counts_the_load_and_refuses_a_run_whose_load_cannot_fit():
     # = 32 (the head, 4096 x 151936, is smaller).
     assert plan.load == 36 * 4096 * 12288 * 4 // 32
     assert plan.load_peak == plan.params + plan.load <= plan.total and plan.fits
-    assert "load: params + largest param's shard" in planner.table(plan)
+    assert "load (params + largest shard)" in planner.table(plan)
     # Were the load the peak (it never is while params are sharded), the refusal would see it.
     heavy = dataclasses.replace(plan, load=plan.chip_bytes)
     assert heavy.total == heavy.load_peak and heavy.fits is False
