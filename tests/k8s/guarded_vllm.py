@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from harnessrl.benchmarks.sidecar_tokenin import completions_body
+from harnessrl.benchmarks.sidecar.tokenin import completions_body
 
 GUARD = Path(__file__).resolve().parents[2] / "k8s" / "base" / "vllm_guard.py"
 KEY = "vllm-key-for-the-test"

@@ -22,7 +22,7 @@ from harnessrl.benchmarks.sidecar import (
     upstream_bodies,
     wait_ready,
 )
-from harnessrl.benchmarks.sidecar_tokenin import (
+from harnessrl.benchmarks.sidecar.tokenin import (
     LABELS,
     TURNS,
     Row,

@@ -8,7 +8,7 @@ overheads are the sidecar's added latency (p50/p99 of through-sidecar minus dire
 non-streaming, capture and durable SQLite storage on) and the ratio is LiteLLM's added p50 over
 ours. `lost` counts 200 responses through a sidecar whose call is missing from its store.
 
-Token-in rows follow (sidecar_tokenin.py): an agent loop's growing conversation at about 1k and
+Token-in rows follow (tokenin.py): an agent loop's growing conversation at about 1k and
 16k tokens (each call adds the function call the sidecar answered and its output) as Responses and
 Messages calls, which the sidecar renders and tokenizes itself, beside pass-through chat calls of
 the same conversation, one client, non-streaming. The last line adds, per context size (`_1k`,
@@ -108,7 +108,7 @@ def serve_upstream(port: int) -> None:
     long-context request names), completions echoing their token-id prompt."""
     import uvicorn
 
-    from harnessrl.benchmarks.sidecar_tokenin import chat_prompt_len, completions_body
+    from harnessrl.benchmarks.sidecar.tokenin import chat_prompt_len, completions_body
 
     full, sse = upstream_bodies()
     sse_events = [e + b"\n\n" for e in sse.split(b"\n\n") if e]
@@ -329,7 +329,7 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
                 for t in targets:
                     n = max(2, int(per * scale * (0.4 if t.name == "litellm" else 1.0)) // rounds)
                     await run_clients(t, label, clients, n, stream)
-        from harnessrl.benchmarks.sidecar_tokenin import measure_tokenin
+        from harnessrl.benchmarks.sidecar.tokenin import measure_tokenin
 
         sizes = (args.tokenin_small, 16384)
         auth = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
@@ -343,7 +343,7 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
         for p in [*procs, lite]:
             if p is not None:
                 p.wait(timeout=30)
-    from harnessrl.benchmarks.sidecar_tokenin import report_tokenin
+    from harnessrl.benchmarks.sidecar.tokenin import report_tokenin
 
     return report(targets, dbs, why_not, report_tokenin(rows))
 
@@ -415,7 +415,3 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()

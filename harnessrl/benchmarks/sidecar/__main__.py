@@ -1,0 +1,5 @@
+"""`python -m harnessrl.benchmarks.sidecar`."""
+
+from harnessrl.benchmarks.sidecar import main
+
+main()
