@@ -1,8 +1,10 @@
 """Load policies straight into the learner's shards on 8 simulated devices (run by
-test_sharded_load.py): an exported HF folder and random tiny policies onto fsdp=8 and ZeRO-3
-data=2,fsdp=4. Prints one JSON report: per load, the params whose sharding is not the learner's,
-every moment a whole split param sat on one device, and the params that differ from a load
-without a mesh. A control (eager init on device 0, then moved) must be caught by the same watch.
+test_sharded_load.py as `sharded_load.py FOLDER LOADS`): exported HF folders (dense, Qwen3.5),
+SmolLM2's GGUF and random policies onto fsdp=8 and ZeRO-3 data=2,fsdp=4, and `train`: the loop's
+load with rollout.servers set. Prints one JSON report: per load, the params whose sharding is not
+the learner's, every moment a whole split param sat on one device, and the params that differ
+from a load without a mesh. A control (whole on device 0, then moved) must be caught by the
+same watch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from gguf import GGUFReader
 
 from harnessrl.learner.mesh import logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.params import param_shardings, place, split_model
@@ -27,7 +30,9 @@ from harnessrl.model import load
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.export import export_hf
+from harnessrl.model.gguf_import import read_metadata
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.tokenizer import ChatTokenizer
 
 
 class Watch:
@@ -127,14 +132,54 @@ def check(name: str, make: Callable[[], nnx.Module], mesh_spec: str, zero3: bool
     }
 
 
+def check_train(folder: str, cfg: ModelConfig, host: Any) -> dict:
+    """`python -m harnessrl.train`'s load with rollout.servers set: policy and learner."""
+    from harnessrl import train
+
+    run_cfg = train.parse_args(
+        [f"serve.model={folder}", "learner.mesh=data=2,fsdp=4", "learner.zero3=true",
+         "rollout.servers=http://127.0.0.1:9/v1", f"run.out_dir={Path(folder).parent / 'run'}"]
+    )  # fmt: skip
+    mesh, rules = make_mesh("data=2,fsdp=4"), logical_axis_rules(True)
+    watch = Watch(split_shapes(load.build_decoder(cfg, host), mesh, rules))
+    gc.collect()
+    with watch.on():
+        model, _, learner = train.load_learner(run_cfg, sharded=bool(run_cfg.rollout.servers))
+    watch.look("after the learner")
+    leaves = jax.tree.leaves(learner.params)
+    targets = jax.tree.leaves(learner.param_shardings)
+    model_leaves = jax.tree.leaves(split_model(model)[1])
+    return {
+        "name": "train with rollout.servers",
+        "split": len(watch.split_shapes),
+        "samples": watch.samples,
+        "wrong_sharding": [
+            str(x.shape) for x, t in zip(leaves, targets, strict=True) if x.sharding != t
+        ],
+        "whole_on_one_device": watch.seen[:5],
+        "copied_by_place": sum(a is not b for a, b in zip(leaves, model_leaves, strict=True)),
+        "differ": [
+            str(x.shape)
+            for x, r in zip(leaves, jax.tree.leaves(host), strict=True)
+            if not np.array_equal(np.asarray(x), r)
+        ],
+        "max_ulps": 0,
+    }
+
+
 def main(folder: str) -> None:
+    names = sys.argv[2].split(",")
     cfg = ModelConfig.tiny()
     # Weights drawn on the host: an eager random init compiles one program per shape.
     shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(3)
     host = jax.tree.map(lambda s: rng.normal(0, 0.02, s.shape).astype(s.dtype), shapes)
-    export_hf(load.build_decoder(cfg, host), Path(folder))
-    names = sys.argv[2].split(",")
+    # The loop's load wants a tokenizer beside the weights: SmolLM2's, as `tiny` has.
+    tokenizer = None
+    if "train" in names:
+        gguf = GGUFReader(load.smollm2_gguf_path())
+        tokenizer = ChatTokenizer.from_gguf_metadata(read_metadata(gguf))
+    export_hf(load.build_decoder(cfg, host), Path(folder), tokenizer=tokenizer)
     qwen = Path(folder).with_name("qwen3_5")
     if "hf-qwen3_5" in names:
         export_hf(Qwen35Decoder(Qwen35Config.tiny(), rngs=nnx.Rngs(3)), qwen)
@@ -146,11 +191,13 @@ def main(folder: str) -> None:
         "tiny-qwen3_5": lambda: load.load_policy("tiny-qwen3_5", seed=1)[0],
     }
     reports = []
-    for name in names:
+    for name in (n for n in names if n != "train"):
         for mesh, zero3 in (("fsdp", False), ("data=2,fsdp=4", True)):
             start = time.perf_counter()
             reports.append(check(name, loads[name], mesh, zero3))
             reports[-1]["seconds"] = round(time.perf_counter() - start, 2)
+    if "train" in names:  # the loop's own load for a run with remote servers
+        reports.append(check_train(folder, cfg, host))
     # The control: the old way, whole on device 0 and then moved, must be caught.
     mesh, rules = make_mesh("fsdp"), logical_axis_rules(False)
     watch = Watch(split_shapes(load.build_decoder(cfg, host), mesh, rules))

@@ -32,10 +32,12 @@ def assert_sharded(report: dict, exact: bool) -> None:
 
 
 def test_hf_folder_loads_straight_into_fsdp_and_zero3_shards(run_script, tmp_path: Path):
-    report = load_report(run_script, tmp_path, "hf")
+    """Also the loop's own load for a run with remote servers: policy, then learner."""
+    report = load_report(run_script, tmp_path, "hf,train")
     assert [r["name"] for r in report["loads"]] == [
         "hf on fsdp zero3=False",
         "hf on data=2,fsdp=4 zero3=True",
+        "train with rollout.servers",
     ]
     assert_sharded(report, exact=True)
 
