@@ -80,6 +80,7 @@ class TokenIn:
         self.renderer: Renderer | None = None
         self.ledger = TurnLedger()
         self.segments = SegmentCache()  # per rollout, what its latest prompt's text tokenized to
+        self.max_model_len: int | None = None  # the upstream's context, from its /v1/models
         # One of each, shared by the plain and the per-rollout routes.
         self.dialects: dict[str, Dialect] = {"responses": Responses(), "messages": Messages()}
 
@@ -114,6 +115,21 @@ class TokenIn:
         if prompt.segments is not None:
             self.segments.put(rollout_id, prompt.segments)
         return prompt
+
+    async def room(self, state: SidecarState, rollout_id: str, scope: Scope, prompt: int) -> int:
+        """What a call without a token limit may sample: the rest of the upstream's context (its
+        `/v1/completions` default would be 16 tokens, where a chat server fills the context).
+        0 when the upstream names no `max_model_len`; then its own default applies."""
+        if self.max_model_len is None:
+            try:
+                _, resp = await state.pool.request(
+                    rollout_id, "GET", "/v1/models", _headers(scope), None
+                )
+                models = orjson.loads(await resp.read()).get("data") or [{}]
+                self.max_model_len = int(models[0].get("max_model_len") or 0)
+            except (SidecarError, UpstreamFailure, ValueError, TypeError, AttributeError):
+                return 0  # asked again at the next such call
+        return max(1, self.max_model_len - prompt) if self.max_model_len else 0
 
 
 def upstream_error(status: int, body: Any) -> SidecarError:
@@ -195,6 +211,7 @@ class _Call:
         self.state = endpoint.state
         self.dialect = endpoint.dialect
         self.ledger = endpoint.tokenin.ledger
+        self.tokenin = endpoint.tokenin
         self.error = endpoint._error
         self.scope = scope
         self.rollout_id = rollout_id
@@ -206,9 +223,11 @@ class _Call:
             endpoint=_COMPLETIONS, rollout_id=rollout_id, started=started, request=request
         )
 
-    def _body(self) -> bytes:
+    def _body(self, room: int) -> bytes:
         state = self.state
         body: dict[str, Any] = {"prompt": list(self.prompt.ids), **self.conv.sampling}
+        if body.get("max_tokens") is None and room:
+            body["max_tokens"] = room
         model = state.config.model or self.conv.model
         if model is not None:
             body["model"] = model
@@ -218,9 +237,12 @@ class _Call:
 
     async def run(self, receive: Receive, send: Send) -> None:
         state = self.state
+        room = 0
+        if self.conv.sampling.get("max_tokens") is None:
+            room = await self.tokenin.room(state, self.rollout_id, self.scope, len(self.prompt.ids))
         try:
             upstream, resp = await state.pool.request(
-                self.rollout_id, "POST", "/v1/completions", _headers(self.scope), self._body()
+                self.rollout_id, "POST", "/v1/completions", _headers(self.scope), self._body(room)
             )
         except SidecarError as err:
             state.metrics.upstream_errors.labels("connect").inc()
