@@ -89,18 +89,79 @@ def cache_mask(positions_bt: jax.Array, cache_len: int) -> jax.Array:
 def attend(
     q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, mask_bts: jax.Array
 ) -> jax.Array:
-    """Grouped-query attention; query head h reads kv head h // g (HF `repeat_kv` order)."""
+    """Grouped-query attention; query head h reads kv head h // g (HF `repeat_kv` order).
+
+    Query heads are laid out `[b, k, g·t, e]`, so each kv head's g query heads are one
+    batched matmul against its keys (no repeated k/v, no transposes around the dots), and
+    the backward pass is written by hand (`_attention_bwd`) with the fewest passes over the
+    `[b, h, t, s]` scores.
+    """
     b, t, h, e = q_bthe.shape
     kv_heads = k_bske.shape[2]
-    q_btkge = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
-    acc = jnp.promote_types(q_bthe.dtype, jnp.float32)
-    scores_bkgts = jnp.einsum(
-        "btkge,bske->bkgts", q_btkge, k_bske, preferred_element_type=acc
-    ) / math.sqrt(e)
+    q_bkme = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e).transpose(0, 2, 3, 1, 4)
+    q_bkme = q_bkme.reshape(b, kv_heads, -1, e)
+    out_bkme = _attention(
+        q_bkme, k_bske.transpose(0, 2, 1, 3), v_bske.transpose(0, 2, 1, 3), mask_bts
+    )
+    out_bkgte = out_bkme.reshape(b, kv_heads, h // kv_heads, t, e)
+    return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
+
+
+def _probs(q_bkme: jax.Array, k_bkse: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """Softmax over keys of the scaled scores, masked to MASK_VALUE, in (at least) float32."""
+    b, kv_heads, m, e = q_bkme.shape
+    t, s = mask_bts.shape[1:]
+    acc = jnp.promote_types(q_bkme.dtype, jnp.float32)
+    scores_bkms = jnp.einsum("bkme,bkse->bkms", q_bkme, k_bkse, preferred_element_type=acc)
+    scores_bkgts = scores_bkms.reshape(b, kv_heads, m // t, t, s) / math.sqrt(e)
     scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bske.dtype)
-    out_btkge = jnp.einsum("bkgts,bske->btkge", probs_bkgts, v_bske)
-    return out_btkge.reshape(b, t, h, e)
+    return jax.nn.softmax(scores_bkgts, axis=-1).reshape(b, kv_heads, m, s)
+
+
+@jax.custom_vjp
+def _attention(
+    q_bkme: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_bts: jax.Array
+) -> jax.Array:
+    probs_bkms = _probs(q_bkme, k_bkse, mask_bts).astype(v_bkse.dtype)
+    return jnp.einsum("bkms,bkse->bkme", probs_bkms, v_bkse)
+
+
+def _attention_fwd(
+    q_bkme: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_bts: jax.Array
+) -> tuple[jax.Array, tuple]:
+    probs_bkms = _probs(q_bkme, k_bkse, mask_bts).astype(v_bkse.dtype)
+    out_bkme = jnp.einsum("bkms,bkse->bkme", probs_bkms, v_bkse)
+    return out_bkme, (q_bkme, k_bkse, v_bkse, mask_bts, probs_bkms, out_bkme)
+
+
+def _attention_bwd(residuals: tuple, d_out_bkme: jax.Array) -> tuple:
+    """Softmax backward as flash attention does it: rowsum(dP * P) equals rowsum(dO * O).
+
+    That row sum is taken over head_dim instead of over every key, so the only passes over
+    the scores-sized arrays are the two dots that make dP and consume dS, and one fused
+    elementwise pass between them. Autodiff of the softmax added a reduction over the
+    scores, and of the mask a select, each a full pass.
+    """
+    q_bkme, k_bkse, v_bkse, mask_bts, probs_bkms, out_bkme = residuals
+    b, kv_heads, m, e = q_bkme.shape
+    t, s = mask_bts.shape[1:]
+    acc = jnp.promote_types(q_bkme.dtype, jnp.float32)
+    d_v_bkse = jnp.einsum("bkms,bkme->bkse", probs_bkms, d_out_bkme)
+    d_probs_bkms = jnp.einsum("bkme,bkse->bkms", d_out_bkme, v_bkse, preferred_element_type=acc)
+    row_bkm1 = jnp.sum(d_out_bkme.astype(acc) * out_bkme.astype(acc), axis=-1, keepdims=True)
+    d_scores_bkms = probs_bkms.astype(acc) * (d_probs_bkms - row_bkm1)
+    # Masked scores are constants: no gradient, also for fully masked (padding) rows.
+    d_scores_bkgts = jnp.where(
+        mask_bts[:, None, None], d_scores_bkms.reshape(b, kv_heads, m // t, t, s), 0.0
+    )
+    d_scores_bkms = (d_scores_bkgts / math.sqrt(e)).reshape(b, kv_heads, m, s)
+    d_scores_bkms = d_scores_bkms.astype(q_bkme.dtype)
+    d_q_bkme = jnp.einsum("bkms,bkse->bkme", d_scores_bkms, k_bkse)
+    d_k_bkse = jnp.einsum("bkms,bkme->bkse", d_scores_bkms, q_bkme)
+    return d_q_bkme, d_k_bkse, d_v_bkse, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def dense(
