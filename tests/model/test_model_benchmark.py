@@ -50,3 +50,24 @@ def test_qwen3_5_family_runs_against_transformers() -> None:
     assert m, f"last line is {last!r}"
     assert float(m[1]) > 0 and float(m[3]) > 0
     assert "model: qwen3_5 4 layers d=32 vocab=128" in proc.stdout
+
+
+def test_side_by_side_alternates_and_takes_the_median_ratio() -> None:
+    """Rounds alternate ours and theirs, so a load change hits both; the ratio is per round."""
+    from harnessrl.benchmarks import model as bench
+
+    calls: list[str] = []
+    clock = iter([0.0, 1.0, 1.0, 3.0, 3.0, 4.0, 4.0, 9.0, 9.0, 11.0, 11.0, 11.5])
+
+    def ours() -> None:
+        calls.append("ours")
+
+    def theirs() -> None:
+        calls.append("theirs")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench.time, "perf_counter", lambda: next(clock))
+        best_ours, best_theirs, ratio = bench.side_by_side(ours, theirs, 3)
+    assert calls == ["ours", "theirs"] * 4  # warm-up, then three alternating rounds
+    # Rounds (ours, theirs): (1, 2), (1, 5), (2, 0.5) → ratios 2, 5, 0.25 → median 2.
+    assert (best_ours, best_theirs, ratio) == (1.0, 0.5, 2.0)
