@@ -42,7 +42,7 @@ from harnessrl.learner.hosts import LeadLearner, follow
 from harnessrl.learner.mesh import init_distributed, logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.plan import check_fits
 from harnessrl.learner.step import Learner
-from harnessrl.model.load import load_policy
+from harnessrl.model.load import check_policy_spec, load_policy
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics
 from harnessrl.rollout import (
     CodingEvaluator,
@@ -234,6 +234,7 @@ def load_learner(cfg: TrainConfig, sharded: bool) -> tuple[Any, Any, Learner]:
     if learner_cfg.checkpoint_dir is None:
         folder = Path(cfg.run.out_dir) / "checkpoints"
         learner_cfg = learner_cfg.replace(checkpoint_dir=str(folder.absolute()))
+    check_policy_spec(cfg.serve.model)  # an unset model is named before the mesh's devices
     mesh = make_mesh(learner_cfg.mesh)
     with use_mesh(mesh, logical_axis_rules(learner_cfg.zero3)) if sharded else nullcontext():
         model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)

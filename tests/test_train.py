@@ -252,10 +252,11 @@ def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(
     tmp_path: Path, smoke_env: dict[str, str]
 ) -> None:
     out, env = tmp_path / "resume", smoke_env
-    # Three steps, so at least one is left when the interrupt lands after checkpoint 1 even on a
-    # slow machine; evals only at the start and the end.
+    # Four steps, so some are left when the interrupt lands after checkpoint 1 even on a slow
+    # machine, where that async save may commit only as step 2's save starts; evals only at the
+    # start and the end.
     argv = [sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}",
-            "steps=3", "run.eval_every=3", "run.resume=true", "run.export_hf=false"]  # fmt: skip
+            "steps=4", "run.eval_every=4", "run.resume=true", "run.export_hf=false"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 400
@@ -271,7 +272,7 @@ def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(
     assert proc.returncode == 130, stdout[-2000:]
     assert "resume from the last checkpoint" in stdout
     done = [r["step"] for r in _records(out) if r["kind"] == "train"]
-    assert done and max(done) < 3
+    assert done and max(done) < 4
 
     again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -279,10 +280,10 @@ def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(
     assert resumed and int(resumed.group(1)) >= 1
     records = _records(out)
     steps = [r["step"] for r in records if r["kind"] == "train"]
-    assert steps[-1] == 3 and sorted(set(steps)) == [1, 2, 3]
-    # The resumed run continued the learner: policy versions 1..3, never a restart from 0.
-    assert [r["learner_step"] for r in records if r["kind"] == "train"][-1] == 3
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3]  # eval 0 not redone
+    assert steps[-1] == 4 and sorted(set(steps)) == [1, 2, 3, 4]
+    # The resumed run continued the learner: policy versions 1..4, never a restart from 0.
+    assert [r["learner_step"] for r in records if r["kind"] == "train"][-1] == 4
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 4]  # eval 0 not redone
     assert FINAL.match(again.stdout.strip().splitlines()[-1])
 
 

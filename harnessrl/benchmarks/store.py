@@ -53,11 +53,15 @@ def record_bytes(call: CallRecord) -> int:
 def measure(url: str, calls: list[CallRecord], group: int, writers: int, seconds: float) -> float:
     """Calls per second committed by `writers` threads, each with its own store and rollouts."""
     done = [0] * writers
-    stop = time.monotonic() + seconds
     errors: list[BaseException] = []
 
+    # Opened one after another: two connections turning a new SQLite file to WAL at once can
+    # find it locked without waiting, which is a race of the setup, not of the writes measured.
+    stores = [open_store(url) for _ in range(writers)]
+    stop = time.monotonic() + seconds
+
     def write(i: int) -> None:
-        store = open_store(url)
+        store = stores[i]
         try:
             rollout = f"bench-{uuid.uuid4().hex[:12]}"
             store.create_rollout(RolloutRecord(rollout, "task", "group"))

@@ -88,9 +88,20 @@ def read_checkpoint(spec: str | Path) -> Checkpoint:
             ChatTokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
         )
         return Checkpoint(folder_cfg, tensors, tokenizer)
-    raise ValueError(
-        f"model spec {str(spec)!r} is neither 'smollm2', an HF model folder, nor an existing .gguf file"
-    )
+    raise ValueError(_not_a_model(spec))
+
+
+def _not_a_model(spec: str | Path) -> str:
+    return f"model spec {str(spec)!r} is neither 'smollm2', an HF model folder, nor an existing .gguf file"
+
+
+def check_policy_spec(spec: str) -> None:
+    """Raise what `load_policy` would for a spec that names no model, without reading it (so a
+    config's unset model is reported before any device is touched)."""
+    path = Path(spec)
+    named = spec in (TINY, "smollm2") or spec in QWEN35_SHAPES
+    if not (named or path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise ValueError(_not_a_model(spec))
 
 
 def load_model(spec: str | Path, **config_overrides: Any) -> LoadedModel:
