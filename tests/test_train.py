@@ -248,6 +248,14 @@ def test_cli_overrides_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rollout.evaluator='no_such_rewards_module:score': cannot import module" in err
 
 
+def _ctrl_c_as_a_shell() -> None:
+    """The child starts with Ctrl-C as a terminal's shell gives it (default, unblocked): a child
+    inherits an ignored or blocked SIGINT, and Python then installs no KeyboardInterrupt handler.
+    In the full suite the run kept going after the signal, where alone it stopped at once."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(
     tmp_path: Path, smoke_env: dict[str, str]
 ) -> None:
@@ -257,7 +265,9 @@ def test_ctrl_c_then_restart_resumes_from_the_last_checkpoint(
     # start and the end.
     argv = [sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}",
             "steps=4", "run.eval_every=4", "run.resume=true", "run.export_hf=false"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_a_shell
+    )
     try:
         deadline = time.monotonic() + 400
         while not (out / "checkpoints" / "1").is_dir():
