@@ -30,15 +30,10 @@ from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
-from harnessrl.model.config import ModelConfig
+from harnessrl.model.config import HF_SHAPES, ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.serve.config import ServeConfig
 
-QWEN3_8B = dict(
-    family="qwen3", hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-    intermediate_size=12288, vocab_size=151936, qk_norm=True, tie_word_embeddings=False,
-    rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
-)  # fmt: skip
 TINY_QWEN3 = dict(
     family="qwen3", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
     intermediate_size=128, vocab_size=256, qk_norm=True, tie_word_embeddings=False,
@@ -46,7 +41,7 @@ TINY_QWEN3 = dict(
 )  # fmt: skip
 # Per platform: model shape and run sizes (--layers/--rows/--length override the first three).
 SIZES: dict[str, dict[str, Any]] = {
-    "accel": dict(layers=4, rows=1, length=8192, shape=QWEN3_8B, steps=5, prompt=128, decode=256),
+    "accel": dict(layers=4, rows=1, length=8192, shape=None, steps=5, prompt=128, decode=256),
     # The suite runs this one: as small as still exercises every program (compiles dominate).
     "cpu": dict(layers=1, rows=1, length=64, shape=TINY_QWEN3, steps=1, prompt=8, decode=8),
 }
@@ -138,7 +133,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"need --layers, --rows >= 1, --length >= 40 and --budget-s > 0; got {layers}, "
             f"{rows}, {length}, {args.budget_s}"
         )
-    cfg = ModelConfig(**size["shape"], num_layers=layers)
+    cfg = (  # accelerators: Qwen3-8B's own widths, as the memory planner names them
+        ModelConfig.from_hf_config(HF_SHAPES["qwen3-8b"], num_layers=layers)
+        if size["shape"] is None
+        else ModelConfig(**size["shape"], num_layers=layers)
+    )
     print(f"device: {len(jax.devices())} x {device.device_kind} ({device.platform})")
     print(f"model: qwen3 {layers} layers d={cfg.hidden_size}; train {rows}x{length}, bf16 compute")
     # Train gets up to 60% of the budget; decode runs only if a third of it is left.
