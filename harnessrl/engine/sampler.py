@@ -74,6 +74,31 @@ def _filter_mask(
     return keep_sv & (probs_sv >= jnp.maximum(floor_s, min_p_s * top_s)[:, None])
 
 
+CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def _inverse_cdf(probs_sv: jax.Array, uniform_s: jax.Array) -> jax.Array:
+    """Per row, the first index whose running mass exceeds `uniform x total mass`.
+
+    Two levels, so no pass runs a scan over the whole vocabulary: block masses and their running
+    sum find the block, then one block's running sum finds the entry. A full-vocabulary cumsum
+    cost more than the rest of the sampler together.
+    """
+    rows, vocab = probs_sv.shape
+    padded_sv = jnp.pad(probs_sv, ((0, 0), (0, -vocab % CDF_BLOCK)))
+    blocks_snb = padded_sv.reshape(rows, -1, CDF_BLOCK)
+    mass_sn = jnp.sum(blocks_snb, axis=-1)
+    ends_sn = jnp.cumsum(mass_sn, axis=-1)
+    target_s = uniform_s * ends_sn[:, -1]
+    last_block = blocks_snb.shape[1] - 1
+    block_s = jnp.minimum(jnp.sum(ends_sn <= target_s[:, None], axis=-1), last_block)
+    start_s = jnp.take_along_axis(ends_sn - mass_sn, block_s[:, None], axis=-1)[:, 0]
+    inner_sb = jnp.take_along_axis(blocks_snb, block_s[:, None, None], axis=1)[:, 0]
+    inner_ends_sb = start_s[:, None] + jnp.cumsum(inner_sb, axis=-1)
+    offset_s = jnp.minimum(jnp.sum(inner_ends_sb <= target_s[:, None], axis=-1), CDF_BLOCK - 1)
+    return jnp.minimum(block_s * CDF_BLOCK + offset_s, vocab - 1)
+
+
 def sample_tokens(
     logits_sv: jax.Array,
     temperature_s: jax.Array,
@@ -108,14 +133,12 @@ def sample_tokens(
         min_p_s,
     )
     probs_sv = jax.nn.softmax(jnp.where(keep_sv, scaled_sv, -jnp.inf), axis=-1)
-    cdf_sv = jnp.cumsum(probs_sv, axis=-1)
 
     def uniform(key_2: jax.Array, salt: jax.Array, step: jax.Array) -> jax.Array:
         key_2 = jax.random.fold_in(jax.random.fold_in(key_2, salt), step)
         return jax.random.uniform(key_2, (), jnp.float32)
 
-    target_s = jax.vmap(uniform)(keys_s2, salts_s, steps_s) * cdf_sv[:, -1]
-    drawn_s = jnp.minimum(jnp.sum(cdf_sv <= target_s[:, None], axis=-1), vocab - 1)
+    drawn_s = _inverse_cdf(probs_sv, jax.vmap(uniform)(keys_s2, salts_s, steps_s))
     # Rounding can land on a zero-probability token at the edges; fall back to the mode.
     drawn_kept_s = jnp.take_along_axis(keep_sv, drawn_s[:, None], axis=-1)[:, 0]
     best_s = jnp.argmax(jnp.where(keep_sv, scaled_sv, -jnp.inf), axis=-1)

@@ -16,11 +16,13 @@ import numpy as np
 from flax import nnx
 
 from harnessrl.engine.sampler import SamplingParams, sample_tokens
+from harnessrl.model import bf16_bits
 from harnessrl.model.decoder import Decoder, KVCache
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.qwen3_5.cache import HybridCache
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
+Logits = tuple[jax.Array, int]  # a prefill's `[num_slots, vocab]` logits block and the row to read
 Cache = Any  # KVCache, or HybridCache for the Qwen3.5 family
 
 
@@ -41,18 +43,28 @@ class EngineConfig(Protocol):
     def seed(self) -> int: ...
     @property
     def policy_version(self) -> int: ...
+    @property
+    def weight_dtype(self) -> str: ...  # float32 | bfloat16 (held as bits, see model.bf16_bits)
 
 
 class DeviceSteps:
     """The serving model's params + KV cache and the four compiled programs that touch them."""
 
     def __init__(self, model: Decoder | Qwen35Decoder, config: EngineConfig) -> None:
+        if config.weight_dtype == "bfloat16" and isinstance(model, Qwen35Decoder):
+            raise ValueError(
+                "weight_dtype='bfloat16' serves the Llama / Qwen2 / Qwen3 decoder; serve the "
+                "Qwen3.5 family with weight_dtype='float32'"
+            )
         cfg = model.cfg
         self.config = config
         self.vocab_size = cfg.vocab_size
         # Params are swappable; the rest (RoPE tables) is fixed for the life of the engine.
         self.graphdef, state, *rest = nnx.split(model, nnx.Param, ...)
         self._rest = jax.tree.map(jnp.asarray, rest[0])
+        if config.weight_dtype == "bfloat16":
+            # Swaps cast to the serving dtype (`conform_params`), so they keep the bits too.
+            state = jax.tree.map(bf16_bits.to_bits, state)
         # Commit every device input to an explicit placement: jit keys its executables on
         # committed-ness too, and jit outputs (the cache after a step, swapped params) are committed.
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
@@ -63,6 +75,9 @@ class DeviceSteps:
         # A recurrent state holds its slot's latest token, not the prompt's end: a sibling
         # choice copied from it later would start mid-answer, so each choice prefills instead.
         self.copies_prompts = self._cache_type is KVCache
+        # First chunks of several prompts go through one packed call (`Decoder.prefill_packed`);
+        # a recurrent state cannot restart mid-row, so Qwen3.5 prefills one prompt at a time.
+        self.packs_prompts = self._cache_type is KVCache
         self.cache = self._new_cache()
         self.traces = 0
         self._decode = jax.jit(
@@ -70,6 +85,9 @@ class DeviceSteps:
         )
         self._prefill = jax.jit(
             self._counted(self._prefill_fn), static_argnums=(0,), donate_argnums=(2,)
+        )
+        self._packed = jax.jit(
+            self._counted(self._packed_fn), static_argnums=(0,), donate_argnums=(2,)
         )
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
@@ -117,7 +135,7 @@ class DeviceSteps:
     def compile_count(self) -> int:
         """Executables compiled so far. A new input placement compiles without retracing, so
         this counts jit's executable caches (falling back to traces if jax lacks the hook)."""
-        programs = (self._decode, self._prefill, self._copy, self._first)
+        programs = (self._decode, self._prefill, self._packed, self._copy, self._first)
         if all(hasattr(p, "_cache_size") for p in programs):
             return sum(p._cache_size() for p in programs)  # type: ignore[attr-defined]
         return self.traces
@@ -151,12 +169,38 @@ class DeviceSteps:
         positions_c: jax.Array,
         last: jax.Array,
     ) -> tuple[Cache, jax.Array]:
-        # One slot's row only, so a chunk costs its own tokens; logits only for the last one.
+        # One slot's row only, so a chunk costs its own tokens; logits only for the last one,
+        # in row 0 of the `[num_slots, vocab]` block the first-token sampler reads.
         model = nnx.merge(self.graphdef, state, self._rest)
         logits_11v, cache = model.decode(
             tokens_c[None], positions_c[None], cache, slot=slot, length=length, last=last
         )
-        return cache, logits_11v[0, 0]
+        return cache, self._rows(logits_11v[0])
+
+    def _packed_fn(
+        self,
+        size: int,
+        state: nnx.State,
+        cache: Cache,
+        tokens_c: jax.Array,
+        positions_c: jax.Array,
+        segments_c: jax.Array,
+        slots_c: jax.Array,
+        last_n: jax.Array,
+    ) -> tuple[Cache, jax.Array]:
+        del size  # static only so each bucket is its own executable, like `_prefill_fn`'s
+        model = nnx.merge(self.graphdef, state, self._rest)
+        assert isinstance(model, Decoder)  # packs_prompts: the dense family only
+        logits_1nv, cache = model.prefill_packed(
+            tokens_c[None], positions_c[None], segments_c[None], slots_c[None], cache, last_n=last_n
+        )
+        return cache, logits_1nv[0]
+
+    def _rows(self, logits_1v: jax.Array) -> jax.Array:
+        """`[1, vocab]` logits as row 0 of the `[num_slots, vocab]` block, so every prefill hands
+        the first-token sampler one shape."""
+        rows_nv = jnp.zeros((self.config.num_slots, logits_1v.shape[-1]), logits_1v.dtype)
+        return rows_nv.at[0].set(logits_1v[0])
 
     def _copy_fn(self, cache: Cache, src: jax.Array, dst: jax.Array) -> Cache:
         def copy(x_lb: jax.Array) -> jax.Array:  # every cache array has its slots on axis 1
@@ -166,9 +210,9 @@ class DeviceSteps:
         return jax.tree.map(copy, cache)
 
     def _first_fn(
-        self, logits_v: jax.Array, sampling: tuple[jax.Array, ...]
+        self, logits_nv: jax.Array, row: jax.Array, sampling: tuple[jax.Array, ...]
     ) -> tuple[jax.Array, ...]:
-        return sample_tokens(logits_v[None], *sampling)
+        return sample_tokens(jax.lax.dynamic_slice_in_dim(logits_nv, row, 1), *sampling)
 
     # ---- host-side calls --------------------------------------------------------------------
 
@@ -220,12 +264,16 @@ class DeviceSteps:
         buckets = self.config.prefill_buckets
         return next((b for b in buckets if b >= remaining), buckets[-1])
 
-    def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int) -> tuple[int, jax.Array]:
+    def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int) -> tuple[int, Logits]:
         """Write the next chunk of `prompt` (from `start`) into `slot`; → (new start, last logits).
 
         A first chunk is padded to a bucket and attends over itself only; a continuation (prompts
         longer than the largest bucket) takes the largest bucket and attends over the whole row.
         """
+        if start == 0 and self.packs_prompts:  # a pack of one: the same programs as any pack
+            head = prompt[: self.config.prefill_buckets[-1]]
+            (logits,) = self.prefill_packed([(slot, head)])
+            return len(head), logits
         if start == 0:
             size = length = self.bucket(len(prompt))
         else:
@@ -235,31 +283,63 @@ class DeviceSteps:
         tokens[:real] = prompt[start : start + real]
         positions = np.full(size, -1, np.int32)
         positions[:real] = np.arange(start, start + real, dtype=np.int32)
-        self.cache, logits_v = self._prefill(
+        self.cache, logits_nv = self._prefill(
             length, self.state, self.cache, np.int32(slot), tokens, positions, np.int32(real - 1)
         )
-        return start + real, logits_v
+        return start + real, (logits_nv, 0)
+
+    def pack_size(self, prompt_len: int) -> int | None:
+        """The bucket a packed first chunk of this length needs, or None if it must be chunked."""
+        largest = self.config.prefill_buckets[-1]
+        if not self.packs_prompts or prompt_len > largest:
+            return None
+        return self.bucket(prompt_len)
+
+    def prefill_packed(self, prompts: Sequence[tuple[int, np.ndarray]]) -> list[Logits]:
+        """Whole prompts `(slot, ids)`, at most `num_slots` with at most the largest bucket of
+        tokens in all, written into their slots in one call; → each one's last logits."""
+        total = sum(len(ids) for _, ids in prompts)
+        if not 0 < len(prompts) <= self.config.num_slots or self.pack_size(total) is None:
+            raise ValueError(f"cannot pack {len(prompts)} prompts of {total} tokens in one chunk")
+        size = self.bucket(total)
+        tokens, positions = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        segments, slots = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        last_n = np.zeros(self.config.num_slots, np.int32)
+        at = 0
+        for n, (slot, ids) in enumerate(prompts):
+            end = at + len(ids)
+            tokens[at:end], positions[at:end] = ids, np.arange(len(ids))
+            segments[at:end], slots[at:end], last_n[n] = n + 1, slot, end - 1
+            at = end
+        self.cache, logits_nv = self._packed(
+            size, self.state, self.cache, tokens, positions, segments, slots, last_n
+        )
+        return [(logits_nv, n) for n in range(len(prompts))]
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.cache = self._copy(self.cache, np.int32(src), np.int32(dst))
 
     def sample_first(
-        self, logits_v: jax.Array, params: SamplingParams, key: np.ndarray, salt: int
+        self, logits: Logits, params: SamplingParams, key: np.ndarray, salt: int
     ) -> SampleOut:
-        out = self._first(logits_v, self._sampling([(params, key, salt, 0)], 1))
+        logits_nv, row = logits
+        out = self._first(logits_nv, np.int32(row), self._sampling([(params, key, salt, 0)], 1))
         token, lp, ids, lps = (np.asarray(x)[0] for x in out)
         return int(token), float(lp), ids, lps
 
     def warm_up(self) -> None:
         """Run each program once so the first requests do not pay for compilation."""
-        logits_v = None
+        logits = None
         for size in self.config.prefill_buckets:
-            _, logits_v = self.prefill_chunk(0, np.zeros(size, np.int32), 0)
+            if self.packs_prompts:
+                (logits,) = self.prefill_packed([(0, np.zeros(size, np.int32))])
+            else:
+                _, logits = self.prefill_chunk(0, np.zeros(size, np.int32), 0)
         largest = self.config.prefill_buckets[-1]
         if largest < self.config.max_model_len:  # continuation chunks exist
-            _, logits_v = self.prefill_chunk(0, np.zeros(largest + 1, np.int32), largest)
-        assert logits_v is not None
-        self.sample_first(logits_v, SamplingParams(), np.zeros(2, np.uint32), 0)
+            _, logits = self.prefill_chunk(0, np.zeros(largest + 1, np.int32), largest)
+        assert logits is not None
+        self.sample_first(logits, SamplingParams(), np.zeros(2, np.uint32), 0)
         self.copy_slot(0, 0)
         for length in self.config.decode_lengths:
             self._warm_decode(length)

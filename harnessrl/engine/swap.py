@@ -14,6 +14,8 @@ import jax
 from flax import nnx
 from flax.nnx import traversals
 
+from harnessrl.model import bf16_bits
+
 
 class HoldsState(Protocol):
     state: nnx.State
@@ -51,6 +53,8 @@ def conform_params(params: Any, template: nnx.State) -> nnx.State:
                 f"param {'/'.join(map(str, path))} has shape {tuple(new.shape)}, the served model "
                 f"needs {tuple(old.shape)}"
             )
+        if bf16_bits.is_bits(old):  # a bfloat16-serving engine: round, keep the bits
+            new = new if bf16_bits.is_bits(new) else bf16_bits.to_bits(jax.numpy.asarray(new))
         values[path] = jax.device_put(jax.numpy.asarray(new, dtype=old.dtype), old.sharding)
     fresh = jax.tree.map(lambda x: x, template)  # new Variable objects; the template stays intact
     nnx.replace_by_pure_dict(fresh, traversals.unflatten_mapping(values))

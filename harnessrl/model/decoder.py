@@ -21,6 +21,8 @@ Serving:  `logits_btv, cache = model.decode(tokens_bt, positions_bt, cache, *, s
   - `length` (static int, default M): attend over cache indices < length only, so a step costs
     what its longest sequence needs; every position in the call must be < length.
   - `last` (traced int, default None): logits only at index `last` of each row: `[b, 1, vocab]`.
+  `model.prefill_packed(...)` writes the first chunks of several prompts, packed in one row
+  with segment ids as in training, into their slots in one call (see its docstring).
   The cache is carried through the layer loop and written by a scatter: under `jax.jit` with the
   cache donated, XLA updates it in place instead of copying every layer's cache each step.
 
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from harnessrl.model import attention as attn
+from harnessrl.model.bf16_bits import is_bits, widen
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.sharding import constrain, param_sharding
 
@@ -239,46 +242,142 @@ class Decoder(nnx.Module):
         write_bt = jnp.where(positions_bt >= 0, positions_bt, cache.max_len)
         first = 0 if slot is None else slot
         slots_bt = jnp.broadcast_to(first + jnp.arange(b)[:, None], (b, t))
-        window = (1, b, length, cfg.num_kv_heads, cfg.head_dim)
+        x_btd, cache = self._serve_layers(
+            self.embed(tokens_bt),
+            cache,
+            (cos_bte, sin_bte),
+            (slots_bt, write_bt),
+            mask_bts,
+            window=(first, b, length),
+        )
+        if last is not None:  # the vocab projection only where a token is sampled
+            x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
+        return self.logits(x_btd), cache
 
+    def prefill_packed(
+        self,
+        tokens_1t: jax.Array,
+        positions_1t: jax.Array,
+        segment_ids_1t: jax.Array,
+        slots_1t: jax.Array,
+        cache: KVCache,
+        *,
+        last_n: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """First chunks of several prompts packed in one row → logits at `last_n`, and the cache.
+
+        Token i of the row belongs to segment `segment_ids_1t[0, i]` (0: padding, not written)
+        and is written at index `positions_1t[0, i]` of cache slot `slots_1t[0, i]`. A first
+        chunk has nothing earlier in the cache, so each token attends to the earlier tokens of
+        its own segment in the row, as in training's packed rows, and no cache row is read.
+        Returns `[1, n, vocab]` logits at row indices `last_n` (`[n]`).
+        """
+        cfg = self.cfg
+        mask_btt = attn.segment_causal_mask(segment_ids_1t)
+        cos_bte, sin_bte = attn.rope_tables(positions_1t, attn.rope_inv_freq(cfg))
+        write_1t = jnp.where(segment_ids_1t > 0, positions_1t, cache.max_len)  # dropped
+        slots_1t = jnp.where(segment_ids_1t > 0, slots_1t, 0)
+
+        x_btd, cache = self._serve_layers(
+            self.embed(tokens_1t),
+            cache,
+            (cos_bte, sin_bte),
+            (slots_1t, write_1t),
+            mask_btt,
+            window=None,
+        )
+        x_bnd = jnp.take(x_btd, last_n, axis=1)  # the vocab projection only where one is sampled
+        return self.logits(x_bnd), cache
+
+    def _serve_layers(
+        self,
+        x_btd: jax.Array,
+        cache: KVCache,
+        rope: tuple[jax.Array, jax.Array],
+        writes: tuple[jax.Array, jax.Array],
+        mask_bts: jax.Array,
+        *,
+        window: tuple[int | jax.Array, int, int] | None,
+    ) -> tuple[jax.Array, KVCache]:
+        """The layer scan of a serving call: each layer writes the call's keys and values at
+        `writes` (cache slot, index per token; an out-of-range index is dropped), then attends over
+        `window` (first slot, rows, length) of its cache, or, when None, over the call's own.
+
+        The whole cache is the scan's carry, so each layer's scatter updates it in place.
+        """
+        cfg = self.cfg
+        slots_bt, write_bt = writes
         Carry = tuple[jax.Array, jax.Array, jax.Array]
 
         def layer(carry: Carry, xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[Carry, None]:
-            # The whole cache is the carry, so each layer's scatter updates it in place.
             x_btd, k_lbske, v_lbske = carry
             w, i = xs
+            w = {name: widen(value) for name, value in w.items()}  # a serving engine's bf16 bits
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
-            q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, cos_bte, sin_bte)
+            q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, *rope)
             at = (jnp.full_like(slots_bt, i), slots_bt, write_bt)
             k_lbske = k_lbske.at[at].set(k_btke.astype(k_lbske.dtype), mode="drop")
             v_lbske = v_lbske.at[at].set(v_btke.astype(v_lbske.dtype), mode="drop")
-            k_bske, v_bske = (
-                jax.lax.dynamic_slice(c, (i, first, 0, 0, 0), window)[0].astype(x_btd.dtype)
-                for c in (k_lbske, v_lbske)
-            )
-            o_bthe = attn.attend(q_bthe, k_bske, v_bske, mask_bts)
+            if window is not None:
+                first, rows, length = window
+                shape = (1, rows, length, cfg.num_kv_heads, cfg.head_dim)
+                k_btke, v_btke = (
+                    jax.lax.dynamic_slice(c, (i, first, 0, 0, 0), shape)[0].astype(x_btd.dtype)
+                    for c in (k_lbske, v_lbske)
+                )
+            o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_bts)
             return (block_tail(cfg, w, x_btd, o_bthe), k_lbske, v_lbske), None
 
-        carry = (self.embed(tokens_bt), cache.k_lbske, cache.v_lbske)
         xs = (self.layers.stacked(), jnp.arange(cfg.num_layers))
-        (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(layer, carry, xs)
-        if last is not None:  # the vocab projection only where a token is sampled
-            x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
-        return self.logits(x_btd), KVCache(k_lbske=k_lbske, v_lbske=v_lbske)
+        (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(
+            layer, (x_btd, cache.k_lbske, cache.v_lbske), xs
+        )
+        return x_btd, KVCache(k_lbske=k_lbske, v_lbske=v_lbske)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(self.cfg.compute_jnp_dtype)
+        rows_btd = widen(jnp.take(self.embed_vd[...], tokens_bt, axis=0))
+        x_btd = rows_btd.astype(self.cfg.compute_jnp_dtype)
         return constrain(x_btd, ("batch", "length", "embed"))
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
         cfg = self.cfg
-        h_btd = attn.rms_norm(x_btd, self.final_norm_d[...], cfg.rms_norm_eps).astype(
+        h_btd = attn.rms_norm(x_btd, widen(self.final_norm_d[...]), cfg.rms_norm_eps).astype(
             cfg.compute_jnp_dtype
         )
+        if self.lm_head_dv is None and is_bits(self.embed_vd[...]):
+            return constrain(
+                bits_head_logits(h_btd, self.embed_vd[...]), ("batch", "length", "vocab")
+            )
         head_dv = self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
+        head_dv = widen(head_dv)  # an untied head held as bits: small models only (unchunked)
         logits_btv = attn.dense(
             h_btd,
             head_dv.astype(cfg.compute_jnp_dtype),
             out_dtype=jnp.promote_types(h_btd.dtype, jnp.float32),
         )
         return constrain(logits_btv, ("batch", "length", "vocab"))
+
+
+HEAD_CHUNK = 2048  # vocab rows widened at a time: a float32 chunk of them stays in cache
+
+
+def bits_head_logits(h_btd: jax.Array, embed_bits_vd: jax.Array) -> jax.Array:
+    """Tied-embedding logits from bf16 bits, widened a vocab chunk at a time in a scan.
+
+    Widening the whole `[vocab, embed]` table at once would write and reread a float32 copy of
+    it each step, more traffic than the float32 weights themselves; chunk by chunk, it never
+    leaves the cache. Rows past the last whole chunk take one more, static, product.
+    """
+    v, d = embed_bits_vd.shape
+    whole = v // HEAD_CHUNK * HEAD_CHUNK
+    chunks_ncd = embed_bits_vd[:whole].reshape(-1, HEAD_CHUNK, d)
+
+    def chunk(_: None, rows_cd: jax.Array) -> tuple[None, jax.Array]:
+        return None, jnp.einsum("btd,cd->btc", h_btd, widen(rows_cd))
+
+    _, logits_nbtc = jax.lax.scan(chunk, None, chunks_ncd)
+    b, t, _ = h_btd.shape
+    parts = [jnp.moveaxis(logits_nbtc, 0, 2).reshape(b, t, whole)]
+    if whole < v:
+        parts.append(jnp.einsum("btd,cd->btc", h_btd, widen(embed_bits_vd[whole:])))
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]

@@ -49,6 +49,9 @@ class ServeConfig:
     admin_token: str = field(default="", repr=False)
     seed: int = 0  # base of the keys of requests without a seed
     policy_version: int = 0  # version reported before the first swap
+    # float32: logprobs exactly the learner's. bfloat16: weights rounded to bf16 (arithmetic stays
+    # float32), so a decode step reads half the bytes; logprobs then differ by that rounding.
+    weight_dtype: str = "float32"
     warmup: bool = True  # compile every serving program before accepting requests
     log_level: str = "warning"  # uvicorn log level
 
@@ -68,6 +71,10 @@ class ServeConfig:
         except ValueError as err:
             raise ValueError(f"ServeConfig.{err}") from err
         self._check_admin()
+        if self.weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"ServeConfig.weight_dtype must be 'float32' or 'bfloat16', got {self.weight_dtype!r}"
+            )
         if self.num_slots < 1 or self.max_model_len < 2:
             raise ValueError(
                 f"ServeConfig needs num_slots >= 1 and max_model_len >= 2, got "

@@ -124,6 +124,53 @@ def test_served_logprobs_equal_learner_logprobs(served):
     assert np.ptp(spread) > 1.0  # a real distribution, not a uniform one
 
 
+def test_prompts_waiting_together_prefill_in_one_packed_call():
+    """Three prompts queued at once share one packed first chunk (the largest bucket holds all
+    three), and their logprobs still equal the learner's; n=2 siblings copy, not re-pack."""
+    model = _model(0)
+    engine = Engine(model, [EOS], CONFIG)
+    engine.warm_up()
+    packs: list[int] = []
+    real = engine.steps.prefill_packed
+
+    def recording(prompts):
+        packs.append(len(prompts))
+        return real(prompts)
+
+    engine.steps.prefill_packed = recording
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, EOS, size=n).tolist() for n in (3, 5, 7)]
+    params = [SamplingParams(temperature=1.0, seed=1, n=2), SamplingParams(temperature=0.0)]
+    results: list[dict[int, list[TokenEvent]]] = [{}, {}, {}]
+    done = [threading.Event() for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        p = params[min(i, 1)]
+        results[i] = {c: [] for c in range(p.n)}
+
+        def sink(events, i=i):
+            for event in events:
+                results[i][event.choice].append(event)
+            if all(evs and evs[-1].finish_reason for evs in results[i].values()):
+                done[i].set()
+
+        engine.submit(prompt, p, 10, sink)
+    compiles = engine.compile_count
+    engine.start()
+    try:
+        assert all(d.wait(120) for d in done)
+    finally:
+        engine.stop()
+    assert packs[0] == 3 and sum(packs) == 3, packs  # one pack; the sibling copied its prompt
+    assert engine.compile_count == compiles
+    for prompt, got in zip(prompts, results, strict=True):
+        for events in got.values():
+            tokens = [e.token for e in events]
+            reference, scale = _reference_logprobs(model, prompt, tokens)
+            tol = logprob_reorder_tolerance(model.cfg, scale, CONFIG.max_model_len)
+            served_lp = np.array([e.logprob for e in events])
+            assert np.max(np.abs(served_lp - reference)) <= tol, (prompt, served_lp - reference)
+
+
 def test_seeded_requests_are_reproducible_and_choices_differ(served):
     _, engine = served
     params = SamplingParams(n=2, temperature=1.0, seed=7)
