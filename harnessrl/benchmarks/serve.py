@@ -123,10 +123,27 @@ def vllm_server(
                 proc.kill()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its children that exited (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+def _cpu_seconds(root: int) -> float:
+    """User + system CPU time of a process and every live descendant (Linux /proc): vLLM runs
+    its engine in a child process."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        pid = int(stat.parent.name)
+        parent[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return sum(t for pid, t in ticks.items() if descends(pid)) / os.sysconf("SC_CLK_TCK")
 
 
 def _report(who: str, results: list[Result]) -> None:
