@@ -48,7 +48,7 @@ class EngineConfig(Protocol):
 
 
 class DeviceSteps:
-    """The serving model's params + KV cache and the four compiled programs that touch them."""
+    """The serving model's params + KV cache and the compiled programs that touch them."""
 
     def __init__(self, model: Decoder | Qwen35Decoder, config: EngineConfig) -> None:
         if config.weight_dtype == "bfloat16" and isinstance(model, Qwen35Decoder):
@@ -86,9 +86,7 @@ class DeviceSteps:
         self._prefill = jax.jit(
             self._counted(self._prefill_fn), static_argnums=(0,), donate_argnums=(2,)
         )
-        self._packed = jax.jit(
-            self._counted(self._packed_fn), static_argnums=(0,), donate_argnums=(2,)
-        )
+        self._packed = jax.jit(self._counted(self._packed_fn), donate_argnums=(1,))
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
 
@@ -179,7 +177,6 @@ class DeviceSteps:
 
     def _packed_fn(
         self,
-        size: int,
         state: nnx.State,
         cache: Cache,
         tokens_c: jax.Array,
@@ -188,7 +185,6 @@ class DeviceSteps:
         slots_c: jax.Array,
         last_n: jax.Array,
     ) -> tuple[Cache, jax.Array]:
-        del size  # static only so each bucket is its own executable, like `_prefill_fn`'s
         model = nnx.merge(self.graphdef, state, self._rest)
         assert isinstance(model, Decoder)  # packs_prompts: the dense family only
         logits_1nv, cache = model.prefill_packed(
@@ -312,7 +308,7 @@ class DeviceSteps:
             segments[at:end], slots[at:end], last_n[n] = n + 1, slot, end - 1
             at = end
         self.cache, logits_nv = self._packed(
-            size, self.state, self.cache, tokens, positions, segments, slots, last_n
+            self.state, self.cache, tokens, positions, segments, slots, last_n
         )
         return [(logits_nv, n) for n in range(len(prompts))]
 

@@ -344,12 +344,12 @@ class Decoder(nnx.Module):
         h_btd = attn.rms_norm(x_btd, widen(self.final_norm_d[...]), cfg.rms_norm_eps).astype(
             cfg.compute_jnp_dtype
         )
-        if self.lm_head_dv is None and is_bits(self.embed_vd[...]):
-            return constrain(
-                bits_head_logits(h_btd, self.embed_vd[...]), ("batch", "length", "vocab")
-            )
-        head_dv = self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
-        head_dv = widen(head_dv)  # an untied head held as bits: small models only (unchunked)
+        tied = self.lm_head_dv is None
+        head = self.embed_vd[...] if self.lm_head_dv is None else self.lm_head_dv[...]
+        if is_bits(head):  # a serving engine's bf16 bits
+            logits_btv = bits_head_logits(h_btd, head, tied=tied)
+            return constrain(logits_btv, ("batch", "length", "vocab"))
+        head_dv = head.T if tied else head
         logits_btv = attn.dense(
             h_btd,
             head_dv.astype(cfg.compute_jnp_dtype),
@@ -361,23 +361,28 @@ class Decoder(nnx.Module):
 HEAD_CHUNK = 2048  # vocab rows widened at a time: a float32 chunk of them stays in cache
 
 
-def bits_head_logits(h_btd: jax.Array, embed_bits_vd: jax.Array) -> jax.Array:
-    """Tied-embedding logits from bf16 bits, widened a vocab chunk at a time in a scan.
+def bits_head_logits(h_btd: jax.Array, head_bits: jax.Array, *, tied: bool) -> jax.Array:
+    """Logits from a head held as bf16 bits (`[vocab, embed]` if `tied`, else `[embed, vocab]`),
+    widened a vocabulary chunk at a time in a scan.
 
-    Widening the whole `[vocab, embed]` table at once would write and reread a float32 copy of
-    it each step, more traffic than the float32 weights themselves; chunk by chunk, it never
-    leaves the cache. Rows past the last whole chunk take one more, static, product.
+    Widening the whole table at once would write and reread a float32 copy of it each step, more
+    traffic than the float32 weights themselves; chunk by chunk, it never leaves the cache. Rows
+    past the last whole chunk take one more, static, product.
     """
-    v, d = embed_bits_vd.shape
+    axis, spec = (0, "btd,cd->btc") if tied else (1, "btd,dc->btc")
+    v = head_bits.shape[axis]
     whole = v // HEAD_CHUNK * HEAD_CHUNK
-    chunks_ncd = embed_bits_vd[:whole].reshape(-1, HEAD_CHUNK, d)
 
-    def chunk(_: None, rows_cd: jax.Array) -> tuple[None, jax.Array]:
-        return None, jnp.einsum("btd,cd->btc", h_btd, widen(rows_cd))
+    def chunk(_: None, start: jax.Array) -> tuple[None, jax.Array]:
+        rows = jax.lax.dynamic_slice_in_dim(head_bits, start, HEAD_CHUNK, axis=axis)
+        return None, jnp.einsum(spec, h_btd, widen(rows))
 
-    _, logits_nbtc = jax.lax.scan(chunk, None, chunks_ncd)
-    b, t, _ = h_btd.shape
-    parts = [jnp.moveaxis(logits_nbtc, 0, 2).reshape(b, t, whole)]
+    parts = []
+    if whole:
+        _, logits_nbtc = jax.lax.scan(chunk, None, jnp.arange(0, whole, HEAD_CHUNK))
+        b, t, _ = h_btd.shape
+        parts.append(jnp.moveaxis(logits_nbtc, 0, 2).reshape(b, t, whole))
     if whole < v:
-        parts.append(jnp.einsum("btd,cd->btc", h_btd, widen(embed_bits_vd[whole:])))
+        tail = jax.lax.slice_in_dim(head_bits, whole, v, axis=axis)
+        parts.append(jnp.einsum(spec, h_btd, widen(tail)))
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
