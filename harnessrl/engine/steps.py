@@ -76,8 +76,9 @@ class DeviceSteps:
         # choice copied from it later would start mid-answer, so each choice prefills instead.
         self.copies_prompts = self._cache_type is KVCache
         # First chunks of several prompts go through one packed call (`Decoder.prefill_packed`);
-        # a recurrent state cannot restart mid-row, so Qwen3.5 prefills one prompt at a time.
-        self.packs_prompts = self._cache_type is KVCache
+        # a recurrent state cannot restart mid-row, so Qwen3.5 prefills one prompt at a time, and
+        # so does a Decoder subclass that overrides `decode`: it is served through its own.
+        self.packs_prompts = self._cache_type is KVCache and type(model).decode is Decoder.decode
         self.cache = self._new_cache()
         self.traces = 0
         self._decode = jax.jit(
