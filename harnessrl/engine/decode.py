@@ -60,6 +60,7 @@ class _Request:
     seqs: list[_Seq] = field(default_factory=list)
     prompt_logits: Logits | None = None  # after the prompt: siblings start from it
     source_slot: int = -1  # a live slot whose cache holds the prompt
+    solo: bool = False  # was in a packed prefill that failed: prefills alone
 
 
 @dataclass
@@ -317,7 +318,7 @@ class Engine:
         total, requests = 0, set()
         for seq in sorted(pending, key=lambda s: s.slot):
             request = seq.request
-            if seq.prefilled or id(request) in requests or request.source_slot >= 0:
+            if seq.prefilled or request.solo or id(request) in requests or request.source_slot >= 0:
                 continue
             if self.steps.pack_size(total + len(request.prompt)) is None:
                 continue  # a long prompt is chunked on its own; a shorter one may still fit
@@ -329,18 +330,25 @@ class Engine:
     def _prefill_pack(self, pack: list[_Seq]) -> None:
         try:
             logits = self.steps.prefill_packed([(s.slot, s.request.prompt) for s in pack])
-            rows = []
-            for seq, prompt_logits in zip(pack, logits, strict=True):
-                request = seq.request
-                seq.prefilled, request.prompt_logits = len(request.prompt), prompt_logits
-                request.source_slot = seq.slot
-                sampled = self.steps.sample_first(
-                    prompt_logits, request.params, seq.key, seq.choice
-                )
-                rows.append((seq, *sampled))
-        except Exception as err:  # the requests in the pack ran in the step
-            return self._step_failed(err, [s.request for s in pack])
-        self._emit(rows)
+            sampled = [
+                self.steps.sample_first(prompt_logits, s.request.params, s.key, s.choice)
+                for s, prompt_logits in zip(pack, logits, strict=True)
+            ]
+        except Exception as err:
+            if self.steps.cache_lost():
+                return self._step_failed(err, [s.request for s in pack])
+            # Which prompt failed is unknown: each prefills alone from now on, so a failure
+            # fails only its own request, as an unpacked prefill's does.
+            log.warning(
+                "packed prefill of %d prompts failed (%r); prefilling each alone", len(pack), err
+            )
+            for seq in pack:
+                seq.request.solo = True
+            return
+        for seq, prompt_logits in zip(pack, logits, strict=True):
+            seq.prefilled, seq.request.prompt_logits = len(seq.request.prompt), prompt_logits
+            seq.request.source_slot = seq.slot
+        self._emit([(seq, *row) for seq, row in zip(pack, sampled, strict=True)])
 
     def _prefill_seq(self, seq: _Seq) -> Any:
         request = seq.request

@@ -171,6 +171,43 @@ def test_prompts_waiting_together_prefill_in_one_packed_call():
             assert np.max(np.abs(served_lp - reference)) <= tol, (prompt, served_lp - reference)
 
 
+def test_a_failed_packed_prefill_retries_each_prompt_alone_and_fails_only_the_bad_one():
+    engine = Engine(_model(0), [EOS], CONFIG)
+    engine.warm_up()
+    marked = [9, 9, 9]
+    packs: list[int] = []
+    real = engine.steps.prefill_packed
+
+    def faulty(prompts):
+        packs.append(len(prompts))
+        if any(list(ids[:3]) == marked for _, ids in prompts):
+            raise RuntimeError("injected prefill fault")
+        return real(prompts)
+
+    engine.steps.prefill_packed = faulty
+    prompts = [[1, 2, 3], [*marked, 4], [5, 6, 7, 8]]
+    results: list[list[TokenEvent]] = [[], [], []]
+    done = [threading.Event() for _ in prompts]
+    for i, prompt in enumerate(prompts):
+
+        def sink(events, i=i):
+            results[i].extend(events)
+            if results[i][-1].finish_reason:
+                done[i].set()
+
+        engine.submit(prompt, SamplingParams(temperature=0.0), 6, sink)
+    engine.start()
+    try:
+        assert all(d.wait(120) for d in done)
+    finally:
+        engine.stop()
+    assert packs == [3, 1, 1, 1], packs  # the pack failed, then each prompt alone
+    bad = results[1]
+    assert len(bad) == 1 and bad[0].finish_reason == "error" and "injected" in (bad[0].error or "")
+    for good in (results[0], results[2]):
+        assert len(good) == 6 and good[-1].finish_reason == "length"
+
+
 def test_seeded_requests_are_reproducible_and_choices_differ(served):
     _, engine = served
     params = SamplingParams(n=2, temperature=1.0, seed=7)

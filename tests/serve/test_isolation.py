@@ -53,14 +53,14 @@ def test_the_engine_refuses_unrunnable_settings_at_submit(bounded_server, params
 
 def test_a_failed_prefill_fails_only_its_request(bounded_server, monkeypatch):
     steps = bounded_server.engine.steps
-    real = steps.prefill_chunk
+    real = steps.prefill_packed  # every first chunk of this model, packed with others or alone
 
-    def faulty(slot, prompt, start):
-        if list(prompt[:4]) == MARKED:
+    def faulty(prompts):
+        if any(list(ids[:4]) == MARKED for _, ids in prompts):
             raise RuntimeError("injected prefill fault")
-        return real(slot, prompt, start)
+        return real(prompts)
 
-    monkeypatch.setattr(steps, "prefill_chunk", faulty)
+    monkeypatch.setattr(steps, "prefill_packed", faulty)
     compiles = bounded_server.engine.compile_count
     out: dict[str, httpx.Response] = {}
     long = {"prompt": "neighbour", "max_tokens": 300, "ignore_eos": True}
