@@ -1,5 +1,6 @@
 """`python -m harnessrl.benchmarks.device` at its CPU size: a train step and engine decode on the
-same tiny Qwen3 shapes, no recompiles after warm-up, and its one-line summary."""
+same tiny Qwen3 shapes, no recompiles after warm-up, the Qwen3.5 prefill comparison, and its
+one-line summary."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from harnessrl.benchmarks import device
 FINAL = re.compile(
     r"^device: platform=(?P<platform>\S+) kind=(?P<kind>\S+) mfu=(?P<mfu>na|\d+\.\d+) "
     r"train_tokens_s=(?P<train>\d+\.\d) decode_tokens_s=(?P<decode>na|\d+\.\d) "
-    r"compiles_train=(?P<ct>\d+) compiles_decode=(?P<cd>\d+)$"
+    r"compiles_train=(?P<ct>\d+) compiles_decode=(?P<cd>\d+) prefill_speedup=(?P<ps>\d+\.\d\d)$"
 )
 
 
@@ -25,9 +26,11 @@ def test_cpu_run_reports_rates_and_compiles_once(capsys: pytest.CaptureFixture[s
     assert float(m["train"]) > 0 and float(m["decode"]) > 0
     # Micro-step and apply compile once each; the timed steps reuse them. Decode likewise.
     assert int(m["ct"]) == 2
-    assert "compiles after warm-up 2, at the end 2" in out[-3]
-    warm = re.search(r"compiles after warm-up (\d+), at the end (\d+)", out[-2])
+    assert float(m["ps"]) > 0
+    assert "compiles after warm-up 2, at the end 2" in out[-4]
+    warm = re.search(r"compiles after warm-up (\d+), at the end (\d+)", out[-3])
     assert warm and warm[1] == warm[2] == m["cd"]
+    assert out[-2].startswith("prefill: tiny-qwen3_5 DeltaNet layer, 1 x 64 tokens: chunked ")
 
 
 def test_peak_table_and_bad_arguments() -> None:

@@ -5,10 +5,12 @@ vocab 151936; `--layers` of them so the model and AdamW state fit one chip), bf1
 float32 master weights, `--rows` x `--length` tokens per step. On CPU a tiny model of the same
 family, so CI runs the same code. MFU = model FLOPs/s (PaLM accounting, `benchmarks.model`) over
 the chip's dense bf16 peak (`PEAK_BF16`; an unknown chip reports FLOP/s and `mfu=na`). Decode is
-the engine at concurrency 8 on the same shapes (bf16 weights), prefill included. `--budget-s`
+the engine at concurrency 8 on the same shapes (bf16 weights), prefill included. Prefill is a
+Qwen3.5 prompt chunk through one DeltaNet layer of Qwen3.5-9B's widths, the chunked delta rule
+against the token-by-token recurrence (`benchmarks.prefill`; CPU: the tiny shape). `--budget-s`
 bounds the run: timed train steps stop early and decode is skipped when too little is left.
 Last line: `device: platform=<p> kind=<k> mfu=<m> train_tokens_s=<t> decode_tokens_s=<d>
-compiles_train=<n> compiles_decode=<n>` (one line).
+compiles_train=<n> compiles_decode=<n> prefill_speedup=<s>` (one line).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flax import nnx
 
 from harnessrl.benchmarks.learner import packed_batch
 from harnessrl.benchmarks.model import flops_per_token
+from harnessrl.benchmarks.prefill import compare
 from harnessrl.data.pack import PackedBatch
 from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
@@ -32,6 +35,8 @@ from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
 from harnessrl.model.config import HF_SHAPES, ModelConfig
 from harnessrl.model.decoder import Decoder
+from harnessrl.model.load import QWEN35_SHAPES
+from harnessrl.model.qwen3_5 import Qwen35Config
 from harnessrl.serve.config import ServeConfig
 
 TINY_QWEN3 = dict(
@@ -41,9 +46,29 @@ TINY_QWEN3 = dict(
 )  # fmt: skip
 # Per platform: model shape and run sizes (--layers/--rows/--length override the first three).
 SIZES: dict[str, dict[str, Any]] = {
-    "accel": dict(layers=4, rows=1, length=8192, shape=None, steps=5, prompt=128, decode=256),
+    "accel": dict(
+        layers=4,
+        rows=1,
+        length=8192,
+        shape=None,
+        steps=5,
+        prompt=128,
+        decode=256,
+        qwen35="qwen3_5-9b-shape",
+        prefill=2048,
+    ),
     # The suite runs this one: as small as still exercises every program (compiles dominate).
-    "cpu": dict(layers=1, rows=1, length=64, shape=TINY_QWEN3, steps=1, prompt=8, decode=8),
+    "cpu": dict(
+        layers=1,
+        rows=1,
+        length=64,
+        shape=TINY_QWEN3,
+        steps=1,
+        prompt=8,
+        decode=8,
+        qwen35="tiny-qwen3_5",
+        prefill=64,
+    ),
 }
 # Dense bf16 peak FLOP/s by a substring of jax's device_kind, first match wins.
 PEAK_BF16 = (
@@ -158,10 +183,16 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{decode_warm}, at the end {decode_end}")  # fmt: skip
     else:
         print("decode: skipped, too little of --budget-s left")
+    qwen = Qwen35Config(**QWEN35_SHAPES[size["qwen35"]])
+    chunked_s, recurrent_s, speedup, _ = compare(qwen, 1, size["prefill"], qwen.chunk_size, 3)
+    print(
+        f"prefill: {size['qwen35']} DeltaNet layer, 1 x {size['prefill']} tokens: chunked "
+        f"{chunked_s * 1e3:.2f} ms, recurrent {recurrent_s * 1e3:.2f} ms"
+    )
     print(
         f"device: platform={device.platform} kind={device.device_kind.replace(' ', '_')} mfu={mfu} "
         f"train_tokens_s={train_s:.1f} decode_tokens_s={decode} compiles_train={train_end} "
-        f"compiles_decode={decode_end}"
+        f"compiles_decode={decode_end} prefill_speedup={speedup:.2f}"
     )
 
 

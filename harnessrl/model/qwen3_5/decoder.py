@@ -184,7 +184,7 @@ def deltanet_layer(cfg: Qwen35Config, w: Weights, x_btd: jax.Array, run_bt: jax.
     h_btd = zc_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(cfg.compute_jnp_dtype)
     x_btf, conv_wf, z_bthv, beta_bth, g_bth = deltanet_inputs(cfg, w, h_btd)
     q_bthk, k_bthk, v_bthv = deltanet_heads(cfg, gdn.causal_conv(x_btf, conv_wf, run_bt))
-    o_bthv = gdn.chunked_gated_delta_rule(
+    o_bthv, _ = gdn.chunked_gated_delta_rule(
         q_bthk, k_bthk, v_bthv, g_bth, beta_bth, run_bt, cfg.chunk_size
     )
     return mlp_tail(cfg, w, x_btd, deltanet_out(cfg, w, o_bthv, z_bthv))
@@ -282,8 +282,10 @@ class Qwen35Decoder(nnx.Module):
     ) -> tuple[jax.Array, HybridCache]:
         """Serving step over cache slots: `Decoder.decode`'s contract, with `HybridCache`.
 
-        The DeltaNet layers run the delta rule token by token from each slot's state; a row's
-        real tokens come first and its padding (position -1) after them.
+        The DeltaNet layers continue each slot's state: a decode step (one token a row) by the
+        recurrence, a prompt chunk by the chunked form the learner trains with, `chunk_size`
+        tokens per sequential step instead of one. A row's real tokens come first and its
+        padding (position -1) after them.
         """
         cfg = self.cfg
         b, t = tokens_bt.shape
@@ -297,6 +299,7 @@ class Qwen35Decoder(nnx.Module):
         slots_bt = jnp.broadcast_to(slots_b[:, None], (b, t))
         real_bt1 = (positions_bt >= 0)[..., None]
         keep_bt = (positions_bt != 0).astype(jnp.float32)  # position 0 drops the old state
+        one_run_bt = jnp.zeros_like(positions_bt)  # a chunk's tokens, padding too, are one run
         window = (1, b, length, cfg.num_kv_heads, cfg.head_dim)
         eps = cfg.rms_norm_eps
 
@@ -311,9 +314,15 @@ class Qwen35Decoder(nnx.Module):
             q_bthk, k_bthk, v_bthv = deltanet_heads(cfg, xc_btf)
             # Padding neither decays nor writes the state.
             g_bth, beta_bth = jnp.where(real_bt1, g_bth, 0.0), jnp.where(real_bt1, beta_bth, 0.0)
-            o_bthv, s_bhkv = gdn.recurrent_gated_delta_rule(
-                q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_lbhkv[j, slots_b], keep_bt
-            )
+            if t == 1:
+                o_bthv, s_bhkv = gdn.recurrent_gated_delta_rule(
+                    q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_lbhkv[j, slots_b], keep_bt
+                )
+            else:  # real tokens first: only a row's first token can be position 0
+                s_bhkv = state_lbhkv[j, slots_b] * keep_bt[:, 0, None, None, None]
+                o_bthv, s_bhkv = gdn.chunked_gated_delta_rule(
+                    q_bthk, k_bthk, v_bthv, g_bth, beta_bth, one_run_bt, cfg.chunk_size, s_bhkv
+                )
             conv_lbwf = conv_lbwf.at[j, slots_b].set(conv_bwf.astype(conv_lbwf.dtype))
             state_lbhkv = state_lbhkv.at[j, slots_b].set(s_bhkv)
             x_btd = mlp_tail(cfg, w, x_btd, deltanet_out(cfg, w, o_bthv, z_bthv))

@@ -80,14 +80,19 @@ def chunked_gated_delta_rule(
     beta_bth: jax.Array,
     run_bt: jax.Array,
     chunk: int,
-) -> jax.Array:
-    """The gated delta rule over whole rows, `chunk` tokens at a time (static shapes).
+    state_bhkv: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over whole rows, `chunk` tokens at a time (static shapes); → (o, S).
 
     Per head, with state S [k, v]: `S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S'^T k_t))^T`
     where `S' = exp(g_t) S_{t-1}`, and `o_t = S_t^T q_t`; S restarts at 0 where the run changes.
     Within a chunk the t updates are folded into one unit-lower-triangular solve (the WY/UT form
     of the DeltaNet paper); a scan carries S from chunk to chunk. q and k arrive normalized and
     q already scaled; heads of q/k are already repeated to the value heads. All in float32.
+
+    A row's first run continues `state_bhkv` (zeros when None: training rows start afresh); the
+    returned S is each row's state after its last token, of its last run. A token with g = 0 and
+    beta = 0 neither decays nor writes S, which is how the server's padding keeps a slot's state.
     """
     b, t, h, dk = q_bthk.shape
     dv = v_bthv.shape[-1]
@@ -102,8 +107,9 @@ def chunked_gated_delta_rule(
 
     q, k, v = chunks(q_bthk), chunks(k_bthk), chunks(v_bthv)
     g_bhnc, beta_bhnc = chunks(g_bth), chunks(beta_bth)
-    # Padding is a run of its own, so it never reaches real tokens.
-    run_bnc = jnp.pad(run_bt, ((0, 0), (0, pad)), constant_values=-1).reshape(b, n, chunk)
+    # Padding up to whole chunks continues the last run with g = beta = k = 0: it comes after
+    # every real token, so it reaches none of them, and it leaves the final state as it was.
+    run_bnc = jnp.pad(run_bt, ((0, 0), (0, pad)), mode="edge").reshape(b, n, chunk)
     run_b1nc = run_bnc[:, None]
     same_b1ncc = run_b1nc[..., :, None] == run_b1nc[..., None, :]  # [.., i, j]
     causal_cc = jnp.tril(jnp.ones((chunk, chunk), bool))
@@ -112,9 +118,10 @@ def chunked_gated_delta_rule(
     cum_bhnc = jnp.einsum("bnij,bhnj->bhni", seen_b1ncc[:, 0].astype(f32), g_bhnc)
     diff = cum_bhnc[..., :, None] - cum_bhnc[..., None, :]
     decay_bhncc = jnp.exp(jnp.where(seen_b1ncc, diff, -jnp.inf))  # exp(sum g_{j+1..i}), j <= i
-    # Whether token i continues the run that the state entering this chunk belongs to.
+    # Whether token i continues the run that the state entering this chunk belongs to (the
+    # first chunk's entering state belongs to run 0, a row's first).
     entering_b1n = jnp.concatenate(
-        [jnp.full((b, 1, 1), -2, run_bnc.dtype), run_b1nc[:, :, :-1, -1]], axis=2
+        [jnp.zeros((b, 1, 1), run_bnc.dtype), run_b1nc[:, :, :-1, -1]], axis=2
     )
     carried_b1nc = (run_b1nc == entering_b1n[..., None]).astype(f32)
     from_start_bhnc = jnp.exp(cum_bhnc) * carried_b1nc
@@ -145,9 +152,11 @@ def chunked_gated_delta_rule(
         return s_bhkv, o_c
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_read, k_write, intra_bhncc, chunk_decay_bhn))
-    _, o_nbhcv = jax.lax.scan(step, jnp.zeros((b, h, dk, dv), f32), xs)
+    if state_bhkv is None:
+        state_bhkv = jnp.zeros((b, h, dk, dv), f32)
+    s_bhkv, o_nbhcv = jax.lax.scan(step, state_bhkv.astype(f32), xs)
     o_bthv = jnp.moveaxis(o_nbhcv, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
-    return jnp.moveaxis(o_bthv, 1, 2)
+    return jnp.moveaxis(o_bthv, 1, 2), s_bhkv
 
 
 def recurrent_gated_delta_rule(
