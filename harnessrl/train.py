@@ -38,6 +38,7 @@ from harnessrl.fleet import (
     remote_serving,
     served_tokenizer,
 )
+from harnessrl.host_memory import keep_freed_memory
 from harnessrl.learner.hosts import LeadLearner, follow
 from harnessrl.learner.mesh import init_distributed, logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.plan import check_fits
@@ -534,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     _set_device_flags(argv)
+    keep_freed_memory()  # before XLA starts its threads (harnessrl/host_memory.py)
     cfg = parse_args(argv)
     init_distributed()  # multi-process learners: before anything touches a device
     if jax.process_index() > 0:

@@ -31,6 +31,7 @@ from harnessrl.benchmarks.prefill import compare
 from harnessrl.data.pack import PackedBatch
 from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
+from harnessrl.host_memory import keep_freed_memory
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
 from harnessrl.model.config import HF_SHAPES, ModelConfig
@@ -197,4 +198,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()
     main()

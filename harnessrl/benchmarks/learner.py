@@ -27,6 +27,7 @@ import numpy as np
 
 from harnessrl.benchmarks.model import flops_per_token, torch_reference
 from harnessrl.data.pack import PackedBatch
+from harnessrl.host_memory import keep_freed_memory
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.losses import MAX_LOG_RATIO
 from harnessrl.learner.step import Learner
@@ -331,4 +332,5 @@ def report(run: Run) -> Run:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()
     main()

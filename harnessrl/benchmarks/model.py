@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from harnessrl.host_memory import keep_freed_memory
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
@@ -265,4 +266,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()
     main()

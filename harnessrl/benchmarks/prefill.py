@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from harnessrl.benchmarks.model import side_by_side
+from harnessrl.host_memory import keep_freed_memory
 from harnessrl.model.load import QWEN35_SHAPES
 from harnessrl.model.qwen3_5 import Qwen35Config
 from harnessrl.model.qwen3_5 import gated_deltanet as gdn
@@ -109,4 +110,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()
     main()
