@@ -29,8 +29,6 @@ from typing import Any
 
 import httpx
 
-from harnessrl.host_memory import keep_freed_memory
-
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a bicycle stays upright.",
@@ -275,5 +273,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()
     main()

@@ -13,7 +13,6 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from harnessrl.cli import command_line, fail
-from harnessrl.host_memory import keep_freed_memory
 from harnessrl.serve.config import ServeConfig
 
 PROG = "python -m harnessrl.serve"
@@ -35,7 +34,6 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ser
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()  # before XLA starts its threads (harnessrl/host_memory.py)
     config = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     from harnessrl.model.load import load_policy
