@@ -216,6 +216,11 @@ def test_packed_rows_equal_each_sequence_alone() -> None:
     assert np.abs(leaky[:, second] - alone[1]).max() > 100 * tol
 
 
+# Jitted: op-by-op dispatch of the chunked rule compiles every primitive and took seconds.
+CHUNKED = jax.jit(gdn.chunked_gated_delta_rule, static_argnums=6)
+RECURRENT = jax.jit(gdn.recurrent_gated_delta_rule)
+
+
 @pytest.mark.parametrize("chunk", [4, 8, 64])
 def test_chunked_delta_rule_equals_the_recurrence(chunk: int) -> None:
     rng = np.random.default_rng(3)
@@ -229,8 +234,8 @@ def test_chunked_delta_rule_equals_the_recurrence(chunk: int) -> None:
     segments[1, 15:] = 3
     run = gdn.run_ids(jnp.asarray(segments))
     keep = jnp.concatenate([jnp.zeros((b, 1)), (run[:, 1:] == run[:, :-1]).astype(jnp.float32)], 1)
-    got, _ = gdn.chunked_gated_delta_rule(q, k, v, g, beta, run, chunk)
-    want, _ = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, jnp.zeros((b, h, dk, dv)), keep)
+    got, _ = CHUNKED(q, k, v, g, beta, run, chunk)
+    want, _ = RECURRENT(q, k, v, g, beta, jnp.zeros((b, h, dk, dv)), keep)
     # Both are float32 sums of t terms of the state's scale, ordered differently.
     tol = 4 * np.sqrt(t * dk) * np.finfo(np.float32).eps * float(np.abs(want).max())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=0)
@@ -247,18 +252,14 @@ def test_chunked_delta_rule_continues_a_state_as_the_server_prefills(chunk: int)
     g = -jnp.asarray(rng.uniform(0.01, 2.0, (b, t, h)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, t, h)), jnp.float32)
     s0 = jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32)  # a slot's earlier tokens
-    want, want_state = gdn.recurrent_gated_delta_rule(
+    want, want_state = RECURRENT(
         q[:, :real], k[:, :real], v[:, :real], g[:, :real], beta[:, :real], s0, jnp.ones((b, real))
     )
     padded = (jnp.arange(t) < real)[None, :, None]
     g, beta = jnp.where(padded, g, 0.0), jnp.where(padded, beta, 0.0)
     one_run = jnp.zeros((b, t), jnp.int32)
-    first, state = gdn.chunked_gated_delta_rule(
-        *(x[:, :split] for x in (q, k, v, g, beta, one_run)), chunk, s0
-    )
-    second, state = gdn.chunked_gated_delta_rule(
-        *(x[:, split:] for x in (q, k, v, g, beta, one_run)), chunk, state
-    )
+    first, state = CHUNKED(*(x[:, :split] for x in (q, k, v, g, beta, one_run)), chunk, s0)
+    second, state = CHUNKED(*(x[:, split:] for x in (q, k, v, g, beta, one_run)), chunk, state)
     got = jnp.concatenate([first, second], axis=1)[:, :real]
     scale = max(float(np.abs(want).max()), float(np.abs(want_state).max()))
     tol = 4 * np.sqrt(t * dk) * np.finfo(np.float32).eps * scale
