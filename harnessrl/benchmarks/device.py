@@ -47,30 +47,12 @@ TINY_QWEN3 = dict(
 )  # fmt: skip
 # Per platform: model shape and run sizes (--layers/--rows/--length override the first three).
 SIZES: dict[str, dict[str, Any]] = {
-    "accel": dict(
-        layers=4,
-        rows=1,
-        length=8192,
-        shape=None,
-        steps=5,
-        prompt=128,
-        decode=256,
-        qwen35="qwen3_5-9b-shape",
-        prefill=2048,
-    ),
+    "accel": dict(layers=4, rows=1, length=8192, shape=None, steps=5, prompt=128, decode=256,
+                  qwen35="qwen3_5-9b-shape", prefill=2048),
     # The suite runs this one: as small as still exercises every program (compiles dominate).
-    "cpu": dict(
-        layers=1,
-        rows=1,
-        length=64,
-        shape=TINY_QWEN3,
-        steps=1,
-        prompt=8,
-        decode=8,
-        qwen35="tiny-qwen3_5",
-        prefill=64,
-    ),
-}
+    "cpu": dict(layers=1, rows=1, length=64, shape=TINY_QWEN3, steps=1, prompt=8, decode=8,
+                qwen35="tiny-qwen3_5", prefill=64),
+}  # fmt: skip
 # Dense bf16 peak FLOP/s by a substring of jax's device_kind, first match wins.
 PEAK_BF16 = (
     ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),

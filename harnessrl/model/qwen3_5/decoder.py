@@ -299,7 +299,6 @@ class Qwen35Decoder(nnx.Module):
         slots_bt = jnp.broadcast_to(slots_b[:, None], (b, t))
         real_bt1 = (positions_bt >= 0)[..., None]
         keep_bt = (positions_bt != 0).astype(jnp.float32)  # position 0 drops the old state
-        one_run_bt = jnp.zeros_like(positions_bt)  # a chunk's tokens, padding too, are one run
         window = (1, b, length, cfg.num_kv_heads, cfg.head_dim)
         eps = cfg.rms_norm_eps
 
@@ -320,6 +319,7 @@ class Qwen35Decoder(nnx.Module):
                 )
             else:  # real tokens first: only a row's first token can be position 0
                 s_bhkv = state_lbhkv[j, slots_b] * keep_bt[:, 0, None, None, None]
+                one_run_bt = jnp.zeros_like(positions_bt)  # a chunk's tokens, padding too
                 o_bthv, s_bhkv = gdn.chunked_gated_delta_rule(
                     q_bthk, k_bthk, v_bthv, g_bth, beta_bth, one_run_bt, cfg.chunk_size, s_bhkv
                 )
