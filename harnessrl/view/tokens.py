@@ -33,15 +33,12 @@ def tokenizer_spec(spec: str, runs: str) -> str:
 
 def load_tokenizer(spec: str) -> Any:
     """The ChatTokenizer of a model spec, read from the tokenizer files only (no weights)."""
-    from gguf import GGUFReader
-
-    from harnessrl.model.gguf_import import read_metadata
-    from harnessrl.model.load import TINY, smollm2_gguf_path
+    from harnessrl.model.load import TINY, gguf_tokenizer, smollm2_gguf_path
     from harnessrl.model.tokenizer import ChatTokenizer
 
     path = smollm2_gguf_path() if spec in ("smollm2", TINY) else Path(spec)
     if path.is_file() and path.suffix == ".gguf":
-        return ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(path)))
+        return gguf_tokenizer(path.resolve())
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return ChatTokenizer.from_hf_folder(path)
     raise ValueError(

@@ -1,9 +1,9 @@
-"""Learner tests share one persistent XLA compilation cache per session.
+"""Learner tests share the session's persistent XLA compilation cache (`xla_cache_dir`).
 
 The tiny model's programs are identical across tests and across the subprocesses that the
 multi-device, multi-process and kill-and-resume tests start, so each compiles once per session
-instead of once per Learner. The cache lives in a fresh temporary directory and is switched off
-again when the learner tests finish.
+instead of once per Learner. In this process the cache is switched off again when the learner
+tests finish.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ CACHE_OPTIONS = {
 
 
 @pytest.fixture(scope="session", autouse=True)
-def xla_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("xla_cache")
+def in_process_xla_cache(xla_cache_dir: Path) -> Iterator[Path]:
+    path = xla_cache_dir
     previous = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
     for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": str(path)}.items():
         jax.config.update(name, value)
@@ -40,7 +40,7 @@ def xla_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture
-def run_script(xla_cache_dir: Path):
+def run_script(xla_cache_env: dict[str, str]):
     """Run `tests/learner/SCRIPT` in a fresh interpreter with the shared compilation cache."""
 
     def run(
@@ -57,9 +57,7 @@ def run_script(xla_cache_dir: Path):
             "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
             f"--xla_force_host_platform_device_count={devices}".strip(),
             "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(xla_cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            **xla_cache_env,
             **(env or {}),
         }
         cmd = [sys.executable, str(HERE / script), *args]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import transformers
 
-from harnessrl.model.load import Checkpoint, smollm2_gguf_path
+from harnessrl.model.load import Checkpoint, gguf_tokenizer, smollm2_gguf_path
 from harnessrl.model.tokenizer import ChatTokenizer
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
@@ -72,6 +72,15 @@ def test_gguf_tokenizer_matches_transformers(ours: ChatTokenizer, reference_toke
     assert ours.eos_token_ids == (reference_tokenizer.eos_token_id,)
     # Special tokens stay whole; written as text inside content they still map to the special id.
     assert ours.encode("<|im_start|>user") == [1, 4093]
+
+
+def test_gguf_tokenizer_reads_the_files_tokenizer_once_per_process(ours: ChatTokenizer) -> None:
+    path = smollm2_gguf_path()
+    shared = gguf_tokenizer(path)
+    assert gguf_tokenizer(path) is shared
+    for messages in CONVERSATIONS:
+        assert shared.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert shared.eos_token_ids == ours.eos_token_ids
 
 
 def test_saved_tokenizer_loads_in_transformers_and_in_ours(

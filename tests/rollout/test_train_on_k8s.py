@@ -67,7 +67,7 @@ def _kubeconfig(path: Path, server: str) -> Path:
 
 
 def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
-    tmp_path: Path, pg_dsn: str
+    tmp_path: Path, pg_dsn: str, xla_cache_env: dict[str, str]
 ) -> None:
     model, tokenizer = load_policy("tiny", seed=0)  # what `--smoke` trains: the same weights
     serve = ServeConfig(
@@ -83,6 +83,7 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
         with fake.FakeKube(run, secrets=secrets) as kube:
             env = dict(
                 os.environ,
+                **xla_cache_env,
                 XLA_FLAGS="--xla_force_host_platform_device_count=1",
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                 JAX_NUM_PROCESSES="2",

@@ -34,11 +34,11 @@ HARNESS = (
 
 
 @pytest.fixture(scope="session")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> SmokeRun:
+def smoke(tmp_path_factory: pytest.TempPathFactory, xla_cache_env: dict[str, str]) -> SmokeRun:
     """`python -m harnessrl.train --smoke run.view=true` with the markup harness; the viewer it
     starts is fetched while the run goes on."""
     out = tmp_path_factory.mktemp("view") / "smoke"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **xla_cache_env}
     argv = [
         sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}",
         "run.view=true", "run.display=false", "run.tensorboard=false", "run.export_hf=false",
