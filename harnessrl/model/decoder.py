@@ -205,11 +205,13 @@ class Decoder(nnx.Module):
             segment_ids_bt = jnp.ones_like(tokens_bt)
         mask_btt = attn.segment_causal_mask(segment_ids_bt)
         cos_bte, sin_bte = attn.rope_tables(positions_bt, attn.rope_inv_freq(cfg))
+        blocks = attn.causal_query_blocks(tokens_bt.shape[1])
 
         def layer(x_btd: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
             q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, cos_bte, sin_bte)
-            return block_tail(cfg, w, x_btd, attn.attend(q_bthe, k_btke, v_btke, mask_btt)), None
+            o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_btt, causal_blocks=blocks)
+            return block_tail(cfg, w, x_btd, o_bthe), None
 
         if cfg.remat:
             layer = jax.checkpoint(layer)
@@ -349,12 +351,12 @@ class Decoder(nnx.Module):
         if is_bits(head):  # a serving engine's bf16 bits
             logits_btv = bits_head_logits(h_btd, head, tied=tied)
             return constrain(logits_btv, ("batch", "length", "vocab"))
-        head_dv = head.T if tied else head
-        logits_btv = attn.dense(
-            h_btd,
-            head_dv.astype(cfg.compute_jnp_dtype),
-            out_dtype=jnp.promote_types(h_btd.dtype, jnp.float32),
-        )
+        out_dtype = jnp.promote_types(h_btd.dtype, jnp.float32)
+        head = head.astype(cfg.compute_jnp_dtype)
+        if tied:
+            logits_btv = attn.tied_head_logits(h_btd, head, out_dtype)
+        else:
+            logits_btv = attn.dense(h_btd, head, out_dtype=out_dtype)
         return constrain(logits_btv, ("batch", "length", "vocab"))
 
 

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from reference_bounds import assert_reordered_close, logprob_reorder_tolerance
 
+from harnessrl.model import attention as attn
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder, KVCache
 
@@ -165,6 +166,59 @@ def test_packed_equals_unpacked(family: str) -> None:
         got = _logprobs(logits[:, start : start + n], tokens[:, start : start + n])[0]
         assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
         start += n
+
+
+def test_causal_query_blocks_cover_the_lengths_the_learner_packs() -> None:
+    assert [attn.causal_query_blocks(n) for n in (64, 100, 128, 192, 256, 1024, 4096)] == [
+        1, 1, 2, 3, 4, 8, 8,
+    ]  # fmt: skip
+    q = jnp.zeros((1, 6, 4, 8))
+    with pytest.raises(ValueError, match="causal_query_blocks"):
+        attn.attend(q, q[:, :, :2], q[:, :, :2], jnp.ones((1, 6, 6), bool), causal_blocks=4)
+
+
+def test_causal_blocks_give_the_one_block_outputs_and_gradients() -> None:
+    """Query blocks that skip the keys above the diagonal: the same attention and VJP, on packed
+    segments that cross the block boundaries."""
+    rng = np.random.default_rng(5)
+    b, t, h, k, e = 2, 256, 4, 2, 16
+    q, kk, v, d_out = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in ((b, t, h, e), (b, t, k, e), (b, t, k, e), (b, t, h, e))
+    )
+    cuts = np.sort(rng.choice(np.arange(1, t), 5, replace=False))
+    segments = jnp.asarray(np.tile(np.searchsorted(cuts, np.arange(t), side="right"), (b, 1)))
+    mask = attn.segment_causal_mask(segments)
+
+    def vjp(blocks: int) -> tuple[jax.Array, ...]:
+        out, pull = jax.vjp(lambda *qkv: attn.attend(*qkv, mask, causal_blocks=blocks), q, kk, v)
+        return (out, *pull(d_out))
+
+    whole = jax.jit(lambda: vjp(1))()
+    blocked = jax.jit(lambda: vjp(attn.causal_query_blocks(t)))()
+    cfg = ModelConfig.tiny(num_layers=1)
+    for got, want in zip(blocked, whole, strict=True):
+        assert_reordered_close(np.asarray(got), np.asarray(want), cfg, t)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tied_head_gradients_are_autodiffs(dtype: jnp.dtype) -> None:
+    """`tied_head_logits`' own VJP gives what autodiff of `dense(h, embed.T)` gives."""
+    rng = np.random.default_rng(6)
+    h = jnp.asarray(rng.standard_normal((2, 8, 32)), dtype)
+    embed = jnp.asarray(rng.standard_normal((96, 32)), dtype)
+    d_logits = jnp.asarray(rng.standard_normal((2, 8, 96)), jnp.float32)
+
+    def grads(logits: object) -> tuple[jax.Array, ...]:
+        out, pull = jax.vjp(logits, h, embed)  # type: ignore[arg-type]
+        return (out, *pull(d_logits))
+
+    ours = jax.jit(lambda: grads(lambda x, w: attn.tied_head_logits(x, w, jnp.float32)))()
+    autodiff = jax.jit(lambda: grads(lambda x, w: attn.dense(x, w.T, out_dtype=jnp.float32)))()
+    cfg = ModelConfig.tiny(num_layers=1)
+    for got, want in zip(ours, autodiff, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert_reordered_close(np.asarray(got, np.float32), np.asarray(want, np.float32), cfg, 16)
 
 
 def test_remat_and_bf16_policy() -> None:

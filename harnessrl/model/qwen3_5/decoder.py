@@ -239,6 +239,7 @@ class Qwen35Decoder(nnx.Module):
         mask_btt = attn.segment_causal_mask(segment_ids_bt)
         run_bt = gdn.run_ids(segment_ids_bt)
         cos_bte, sin_bte = attn.rope_tables(positions_bt, rope_inv_freq(cfg))
+        blocks = attn.causal_query_blocks(tokens_bt.shape[1])
 
         def linear(x_btd: jax.Array, w: Weights) -> tuple[jax.Array, None]:
             return deltanet_layer(cfg, w, x_btd, run_bt), None
@@ -246,7 +247,7 @@ class Qwen35Decoder(nnx.Module):
         def full(x_btd: jax.Array, w: Weights) -> jax.Array:
             h_btd = zc_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
             q_bthe, k_btke, v_btke, gate_bthe = attention_qkv(cfg, w, h_btd, cos_bte, sin_bte)
-            o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_btt)
+            o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_btt, causal_blocks=blocks)
             return mlp_tail(cfg, w, x_btd, attention_out(cfg, w, o_bthe, gate_bthe))
 
         if cfg.remat:
@@ -377,10 +378,11 @@ class Qwen35Decoder(nnx.Module):
         h_btd = zc_norm(x_btd, self.final_norm_d[...], cfg.rms_norm_eps).astype(
             cfg.compute_jnp_dtype
         )
-        head_dv = self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
-        logits_btv = attn.dense(
-            h_btd,
-            head_dv.astype(cfg.compute_jnp_dtype),
-            out_dtype=jnp.promote_types(h_btd.dtype, jnp.float32),
-        )
+        out_dtype = jnp.promote_types(h_btd.dtype, jnp.float32)
+        if self.lm_head_dv is None:
+            embed_vd = self.embed_vd[...].astype(cfg.compute_jnp_dtype)
+            logits_btv = attn.tied_head_logits(h_btd, embed_vd, out_dtype)
+        else:
+            head_dv = self.lm_head_dv[...].astype(cfg.compute_jnp_dtype)
+            logits_btv = attn.dense(h_btd, head_dv, out_dtype=out_dtype)
         return constrain(logits_btv, ("batch", "length", "vocab"))
