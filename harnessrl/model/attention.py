@@ -224,11 +224,11 @@ def tied_head_logits(h_btd: jax.Array, embed_vd: jax.Array, out_dtype: DTypeLike
     """Logits through a tied embedding: `dense(h_btd, embed_vd.T)`, with its own VJP.
 
     Autodiff makes the embedding's gradient one dot that writes `[vocab, embed]` from the
-    transposed `[tokens, vocab]` logit gradient; XLA's CPU backend runs that orientation ~20%
-    slower than the `[embed, vocab]` product followed by a transpose (2048 tokens x SmolLM2's
-    vocabulary: 0.86 s vs 0.71 s), and folds any transpose written after the dot back into it. So
-    the backward pass computes the `[embed, vocab]` product behind an optimization barrier and
-    transposes it after. The values are the same dots'; the forward pass is untouched.
+    transposed `[tokens, vocab]` logit gradient. XLA's CPU backend runs that orientation slower
+    than the `[embed, vocab]` product followed by a transpose, and folds any transpose written
+    after the dot back into it. So the backward pass computes the `[embed, vocab]` product behind
+    an optimization barrier and transposes it after. The values are the same dots'; the forward
+    pass, which serving runs too, is untouched.
     """
     return dense(h_btd, embed_vd.T, out_dtype=out_dtype)
 

@@ -89,9 +89,20 @@ def _float64_delta_rule(
 
 @pytest.fixture
 def float64_delta_rule(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The float64 reference runs the delta rule per token in float64 (transformers' chunked
+    fallback computes in float32 whatever its inputs); the float32 reference keeps transformers'
+    own chunked rule, so its error, the tests' yardstick, is that of a chunked float32 delta rule
+    as ours is."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", _float64_delta_rule)
+    chunked = modeling_qwen3_5.torch_chunk_gated_delta_rule
+
+    def delta_rule(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        value = kwargs["value"] if "value" in kwargs else args[2]
+        rule = _float64_delta_rule if value.dtype == torch.float64 else chunked
+        return rule(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule)
     yield
 
 
