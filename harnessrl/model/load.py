@@ -71,13 +71,18 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-@functools.cache
 def gguf_tokenizer(path: Path) -> ChatTokenizer:
-    """The chat tokenizer in a GGUF file's metadata (no tensor is read), parsed once per process.
+    """The chat tokenizer in a GGUF file's metadata (no tensor is read), parsed once per process
+    and file, however the path is spelled.
 
     The reader parses the ~100k vocabulary and merge strings one by one in Python, seconds each
     time; callers only read from the tokenizer, so they share it.
     """
+    return _gguf_tokenizer(path.resolve())
+
+
+@functools.cache
+def _gguf_tokenizer(path: Path) -> ChatTokenizer:
     return ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(path)))
 
 

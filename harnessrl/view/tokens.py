@@ -38,7 +38,7 @@ def load_tokenizer(spec: str) -> Any:
 
     path = smollm2_gguf_path() if spec in ("smollm2", TINY) else Path(spec)
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_tokenizer(path.resolve())
+        return gguf_tokenizer(path)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return ChatTokenizer.from_hf_folder(path)
     raise ValueError(

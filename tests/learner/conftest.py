@@ -29,11 +29,10 @@ CACHE_OPTIONS = {
 
 @pytest.fixture(scope="session", autouse=True)
 def in_process_xla_cache(xla_cache_dir: Path) -> Iterator[Path]:
-    path = xla_cache_dir
     previous = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": str(path)}.items():
+    for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": str(xla_cache_dir)}.items():
         jax.config.update(name, value)
-    yield path
+    yield xla_cache_dir
     for name, value in previous.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()
