@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from harnessrl.engine import matvec
 from harnessrl.engine.sampler import SamplingParams, sample_tokens
 from harnessrl.model import bf16_bits
-from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.model.decoder import Decoder, KVCache, MatVec
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.qwen3_5.cache import HybridCache
 
@@ -45,6 +46,8 @@ class EngineConfig(Protocol):
     def policy_version(self) -> int: ...
     @property
     def weight_dtype(self) -> str: ...  # float32 | bfloat16 (held as bits, see model.bf16_bits)
+    @property
+    def matvec_kernel(self) -> bool: ...  # decode matmuls through engine.matvec where it runs
 
 
 class DeviceSteps:
@@ -80,6 +83,16 @@ class DeviceSteps:
         # so does a Decoder subclass that overrides `decode`: it is served through its own.
         self.packs_prompts = self._cache_type is KVCache and type(model).decode is Decoder.decode
         self.cache = self._new_cache()
+        # Decode steps multiply a few rows by every weight: the C++ kernel streams them faster than
+        # XLA:CPU's dot. Only the dense family's own `decode` takes it; prefill stays on XLA.
+        self._matvec: MatVec | None = None
+        if (
+            config.matvec_kernel
+            and type(model).decode is Decoder.decode
+            and config.num_slots <= matvec.MAX_ROWS
+            and matvec.load(next(iter(self._device.device_set)).platform)
+        ):
+            self._matvec = matvec.matvec
         self.traces = 0
         self._decode = jax.jit(
             self._counted(self._decode_fn), static_argnums=(0,), donate_argnums=(2,)
@@ -154,7 +167,7 @@ class DeviceSteps:
         # longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
         logits_s1v, cache = model.decode(
-            tokens_s[:, None], positions_s[:, None], cache, length=length
+            tokens_s[:, None], positions_s[:, None], cache, length=length, matvec=self._matvec
         )
         return (cache, *sample_tokens(logits_s1v[:, 0], *sampling))
 

@@ -36,6 +36,8 @@ parameters are sharded eagerly; created without a mesh they are plain arrays.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -142,18 +144,57 @@ class DecoderLayers(nnx.Module):
         }
 
 
+# `matvec(x_rk, w_lkn, layer, transposed)` → `x_rk @ w_lkn[layer]` (`@ w_lnk[layer].T` if
+# transposed) as float32: a serving runtime's kernel for few-row matmuls that reads one layer's
+# weights (float32, or bfloat16 words) in place from the stacked array (harnessrl.engine.matvec).
+MatVec = Callable[..., jax.Array]
+# `project(x, name)`: x contracted with the layer's weight `name` over its input axes.
+Project = Callable[[jax.Array, str], jax.Array]
+PROJECTIONS = ("wq_ldhe", "wk_ldke", "wv_ldke", "wo_lhed", "w_gate_ldf", "w_up_ldf", "w_down_lfd")
+IN_AXES = {"wo_lhed": 2}  # weights whose input is more than one axis (heads, head_dim)
+
+
+def dense_project(cfg: ModelConfig, w: dict[str, jax.Array]) -> Project:
+    """Projections as XLA dots of this layer's weights `w`."""
+    ct = cfg.compute_jnp_dtype
+
+    def project(x: jax.Array, name: str) -> jax.Array:
+        if name == "wo_lhed":
+            # An einsum rather than `dense`: its (h, e) accumulation order keeps SmolLM2's float32
+            # logits within 1e-4 of transformers', and its backward pass measured no slower.
+            return jnp.einsum("bthe,hed->btd", x, w[name].astype(ct))
+        return attn.dense(x, w[name].astype(ct))
+
+    return project
+
+
+def matvec_project(matvec: MatVec, stacked: dict[str, jax.Array], layer: jax.Array) -> Project:
+    """Projections through `matvec`, reading layer `layer` of the stacked weights in place."""
+
+    def project(x: jax.Array, name: str) -> jax.Array:
+        w = stacked[name]
+        contract = IN_AXES.get(name, 1)
+        k, out = math.prod(w.shape[1 : 1 + contract]), w.shape[1 + contract :]
+        y_rn = matvec(x.reshape(-1, k), w.reshape(w.shape[0], k, -1), layer, False)
+        return y_rn.reshape(*x.shape[: x.ndim - contract], *out)
+
+    return project
+
+
 def qkv(
     cfg: ModelConfig,
     w: dict[str, jax.Array],
     x_btd: jax.Array,
     cos_bte: jax.Array,
     sin_bte: jax.Array,
+    project: Project | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Project one layer's normalized input to RoPE'd queries and keys, and values."""
     ct = cfg.compute_jnp_dtype
-    q_bthe = attn.dense(x_btd, w["wq_ldhe"].astype(ct))
-    k_btke = attn.dense(x_btd, w["wk_ldke"].astype(ct))
-    v_btke = attn.dense(x_btd, w["wv_ldke"].astype(ct))
+    project = project or dense_project(cfg, w)
+    q_bthe = project(x_btd, "wq_ldhe")
+    k_btke = project(x_btd, "wk_ldke")
+    v_btke = project(x_btd, "wv_ldke")
     if cfg.qkv_bias:
         q_bthe = q_bthe + w["bq_lhe"].astype(ct)
         k_btke = k_btke + w["bk_lke"].astype(ct)
@@ -167,18 +208,20 @@ def qkv(
 
 
 def block_tail(
-    cfg: ModelConfig, w: dict[str, jax.Array], x_btd: jax.Array, o_bthe: jax.Array
+    cfg: ModelConfig,
+    w: dict[str, jax.Array],
+    x_btd: jax.Array,
+    o_bthe: jax.Array,
+    project: Project | None = None,
 ) -> jax.Array:
     """Attention output projection + residual, then the SwiGLU MLP + residual."""
     ct = cfg.compute_jnp_dtype
-    # An einsum rather than `dense`: its (h, e) accumulation order keeps SmolLM2's float32 logits
-    # within 1e-4 of transformers', and its backward pass measured no slower.
-    x_btd = x_btd + jnp.einsum("bthe,hed->btd", o_bthe, w["wo_lhed"].astype(ct))
+    project = project or dense_project(cfg, w)
+    x_btd = x_btd + project(o_bthe, "wo_lhed")
     x_btd = constrain(x_btd, ("batch", "length", "embed"))
     h_btd = attn.rms_norm(x_btd, w["mlp_norm_ld"], cfg.rms_norm_eps).astype(ct)
-    mlp_btd = attn.swiglu(
-        h_btd, w["w_gate_ldf"].astype(ct), w["w_up_ldf"].astype(ct), w["w_down_lfd"].astype(ct)
-    )
+    gate_btf, up_btf = project(h_btd, "w_gate_ldf"), project(h_btd, "w_up_ldf")
+    mlp_btd = project(jax.nn.silu(gate_btf) * up_btf, "w_down_lfd")
     return constrain(x_btd + mlp_btd, ("batch", "length", "embed"))
 
 
@@ -232,8 +275,12 @@ class Decoder(nnx.Module):
         slot: int | jax.Array | None = None,
         length: int | None = None,
         last: int | jax.Array | None = None,
+        matvec: MatVec | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Serving step over cache slots; see the module docstring for the exact contract."""
+        """Serving step over cache slots; see the module docstring for the exact contract.
+
+        `matvec` (see `MatVec`), when given, computes every projection and the head.
+        """
         cfg = self.cfg
         b, t = tokens_bt.shape
         length = cache.max_len if length is None else length
@@ -251,10 +298,11 @@ class Decoder(nnx.Module):
             (slots_bt, write_bt),
             mask_bts,
             window=(first, b, length),
+            matvec=matvec,
         )
         if last is not None:  # the vocab projection only where a token is sampled
             x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
-        return self.logits(x_btd), cache
+        return self.logits(x_btd, matvec), cache
 
     def prefill_packed(
         self,
@@ -300,23 +348,30 @@ class Decoder(nnx.Module):
         mask_bts: jax.Array,
         *,
         window: tuple[int | jax.Array, int, int] | None,
+        matvec: MatVec | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The layer scan of a serving call: each layer writes the call's keys and values at
         `writes` (cache slot, index per token; an out-of-range index is dropped), then attends over
         `window` (first slot, rows, length) of its cache, or, when None, over the call's own.
 
-        The whole cache is the scan's carry, so each layer's scatter updates it in place.
+        The whole cache is the scan's carry, so each layer's scatter updates it in place. With
+        `matvec`, the projection weights stay out of the scan's slices: it reads them in place.
         """
         cfg = self.cfg
         slots_bt, write_bt = writes
         Carry = tuple[jax.Array, jax.Array, jax.Array]
+        stacked = self.layers.stacked()
+        sliced = stacked
+        if matvec is not None:
+            sliced = {name: value for name, value in stacked.items() if name not in PROJECTIONS}
 
         def layer(carry: Carry, xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[Carry, None]:
             x_btd, k_lbske, v_lbske = carry
             w, i = xs
             w = {name: widen(value) for name, value in w.items()}  # a serving engine's bf16 bits
+            project = None if matvec is None else matvec_project(matvec, stacked, i)
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
-            q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, *rope)
+            q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, *rope, project)
             at = (jnp.full_like(slots_bt, i), slots_bt, write_bt)
             k_lbske = k_lbske.at[at].set(k_btke.astype(k_lbske.dtype), mode="drop")
             v_lbske = v_lbske.at[at].set(v_btke.astype(v_lbske.dtype), mode="drop")
@@ -328,9 +383,9 @@ class Decoder(nnx.Module):
                     for c in (k_lbske, v_lbske)
                 )
             o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_bts)
-            return (block_tail(cfg, w, x_btd, o_bthe), k_lbske, v_lbske), None
+            return (block_tail(cfg, w, x_btd, o_bthe, project), k_lbske, v_lbske), None
 
-        xs = (self.layers.stacked(), jnp.arange(cfg.num_layers))
+        xs = (sliced, jnp.arange(cfg.num_layers))
         (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(
             layer, (x_btd, cache.k_lbske, cache.v_lbske), xs
         )
@@ -341,13 +396,17 @@ class Decoder(nnx.Module):
         x_btd = rows_btd.astype(self.cfg.compute_jnp_dtype)
         return constrain(x_btd, ("batch", "length", "embed"))
 
-    def logits(self, x_btd: jax.Array) -> jax.Array:
+    def logits(self, x_btd: jax.Array, matvec: MatVec | None = None) -> jax.Array:
         cfg = self.cfg
         h_btd = attn.rms_norm(x_btd, widen(self.final_norm_d[...]), cfg.rms_norm_eps).astype(
             cfg.compute_jnp_dtype
         )
         tied = self.lm_head_dv is None
         head = self.embed_vd[...] if self.lm_head_dv is None else self.lm_head_dv[...]
+        if matvec is not None:  # the head as one more "layer": [1, vocab, embed] if tied
+            b, t, d = h_btd.shape
+            logits_rv = matvec(h_btd.reshape(b * t, d), head[None], jnp.int32(0), tied)
+            return constrain(logits_rv.reshape(b, t, -1), ("batch", "length", "vocab"))
         if is_bits(head):  # a serving engine's bf16 bits
             logits_btv = bits_head_logits(h_btd, head, tied=tied)
             return constrain(logits_btv, ("batch", "length", "vocab"))

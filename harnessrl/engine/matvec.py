@@ -1,0 +1,104 @@
+"""Engine stage, CPU kernel: decode-step matmuls (a few rows times one layer's weights) in C++.
+
+In: activation rows `[rows, k]` float32 and a stacked weight `[layers, k, n]` (or `[layers, n,
+k]`), float32 or bfloat16 words (`model.bf16_bits`), plus a layer index. Out: `[rows, n]` float32.
+`matvec.cc` is compiled with the system's C++ compiler on first use into a per-user cache and
+registered as an XLA FFI target; `load()` returns None where it cannot be (no compiler, not a CPU
+backend), and the decoder then keeps XLA's dot. See docs/serve.md for why and the figures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("matvec.cc")
+TARGET = "harnessrl_matvec"
+MAX_ROWS = 8  # rows the kernel keeps in registers; more rows re-read the weights per group
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+
+_loaded: dict[str, bool] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "harnessrl" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(compiler: str, out_dir: Path) -> Path:
+    """Compile `matvec.cc` into `out_dir` (once per source, compiler and jax version) → the .so.
+
+    Raises RuntimeError with the compiler's output when it fails.
+    """
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join((SOURCE.read_text(), version, jax.__version__, *FLAGS)).encode()
+    ).hexdigest()[:16]
+    library = out_dir / f"matvec-{key}.so"
+    if library.exists():
+        return library
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: a concurrent build never sees a half-written file.
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / library.name
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, library)
+    return library
+
+
+def load(backend: str | None = None) -> bool:
+    """Build and register the kernel for the CPU backend; False (logged once) where it cannot run.
+
+    Only x86-64 CPU backends use it: elsewhere the decode matmuls stay XLA dots.
+    """
+    backend = backend or jax.default_backend()
+    if backend in _loaded:
+        return _loaded[backend]
+    ok = False
+    compiler = _compiler()
+    if backend != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("decode matmuls: XLA dots (the C++ kernel is for x86-64 CPU backends)")
+    elif compiler is None:
+        log.warning("decode matmuls: XLA dots (no C++ compiler found; set CXX to use the kernel)")
+    else:
+        try:
+            library = ctypes.cdll.LoadLibrary(str(build(compiler, cache_dir())))
+            jax.ffi.register_ffi_target(
+                TARGET, jax.ffi.pycapsule(library.HarnessrlMatVec), platform="cpu"
+            )
+            ok = True
+        except (OSError, RuntimeError) as err:
+            log.warning("decode matmuls: XLA dots (the C++ kernel did not build: %s)", err)
+    _loaded[backend] = ok
+    return ok
+
+
+def matvec(x_rk: jax.Array, w_lkn: jax.Array, layer: jax.Array, transposed: bool) -> jax.Array:
+    """`x_rk @ w_lkn[layer]` (`x_rk @ w_lnk[layer].T` if `transposed`), float32 `[rows, n]`.
+
+    Needs `load()` to have returned True. The weights are read in place from the stacked array.
+    """
+    n = w_lkn.shape[1] if transposed else w_lkn.shape[2]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x_rk.shape[0], n), jnp.float32))
+    return call(
+        x_rk.astype(jnp.float32), w_lkn, jnp.asarray(layer, jnp.int32), transposed=transposed
+    )
