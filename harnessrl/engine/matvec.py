@@ -3,13 +3,14 @@
 In: activation rows `[rows, k]` float32 and a stacked weight `[layers, k, n]` (or `[layers, n,
 k]`), float32 or bfloat16 words (`model.bf16_bits`), plus a layer index. Out: `[rows, n]` float32.
 `matvec.cc` is compiled with the system's C++ compiler on first use into a per-user cache and
-registered as an XLA FFI target; `load()` returns None where it cannot be (no compiler, not a CPU
-backend), and the decoder then keeps XLA's dot. See docs/serve.md for why and the figures.
+registered as an XLA FFI target; `load()` returns False where it cannot be (no compiler, not an
+x86-64 CPU backend), and the decoder then keeps XLA's dot. See docs/serve.md for why and figures.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,16 +30,17 @@ TARGET = "harnessrl_matvec"
 MAX_ROWS = 8  # rows the kernel keeps in registers; more rows re-read the weights per group
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 
-_loaded: dict[str, bool] = {}
-
 
 def cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "harnessrl" / "kernels"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
 
 
 def build(compiler: str, out_dir: Path) -> Path:
@@ -47,8 +49,12 @@ def build(compiler: str, out_dir: Path) -> Path:
     Raises RuntimeError with the compiler's output when it fails.
     """
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    # -march=native: the library is for this CPU, so its model and flags are part of the key.
+    cpu = "\n".join(
+        line for line in _cpuinfo().splitlines() if line.startswith(("model name", "flags"))
+    )
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), version, jax.__version__, *FLAGS)).encode()
+        "\0".join((SOURCE.read_text(), version, cpu, jax.__version__, *FLAGS)).encode()
     ).hexdigest()[:16]
     library = out_dir / f"matvec-{key}.so"
     if library.exists():
@@ -65,31 +71,32 @@ def build(compiler: str, out_dir: Path) -> Path:
     return library
 
 
-def load(backend: str | None = None) -> bool:
-    """Build and register the kernel for the CPU backend; False (logged once) where it cannot run.
+@functools.cache
+def _register(library: Path) -> None:
+    handler = ctypes.cdll.LoadLibrary(str(library)).HarnessrlMatVec
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
 
-    Only x86-64 CPU backends use it: elsewhere the decode matmuls stay XLA dots.
+
+def load(backend: str | None = None, compiler: str | None = None) -> bool:
+    """Build (or find built) and register the kernel; False, with a logged reason, where it
+    cannot run here: then the decode matmuls stay XLA dots.
+
+    Only x86-64 CPU backends use it. `compiler` defaults to `$CXX`, else `g++` or `c++` on PATH.
     """
     backend = backend or jax.default_backend()
-    if backend in _loaded:
-        return _loaded[backend]
-    ok = False
-    compiler = _compiler()
     if backend != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("decode matmuls: XLA dots (the C++ kernel is for x86-64 CPU backends)")
-    elif compiler is None:
+        return False
+    compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
         log.warning("decode matmuls: XLA dots (no C++ compiler found; set CXX to use the kernel)")
-    else:
-        try:
-            library = ctypes.cdll.LoadLibrary(str(build(compiler, cache_dir())))
-            jax.ffi.register_ffi_target(
-                TARGET, jax.ffi.pycapsule(library.HarnessrlMatVec), platform="cpu"
-            )
-            ok = True
-        except (OSError, RuntimeError) as err:
-            log.warning("decode matmuls: XLA dots (the C++ kernel did not build: %s)", err)
-    _loaded[backend] = ok
-    return ok
+        return False
+    try:
+        _register(build(compiler, cache_dir()))
+    except (OSError, RuntimeError) as err:
+        log.warning("decode matmuls: XLA dots (the C++ kernel did not build: %s)", err)
+        return False
+    return True
 
 
 def matvec(x_rk: jax.Array, w_lkn: jax.Array, layer: jax.Array, transposed: bool) -> jax.Array:

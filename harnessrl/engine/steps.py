@@ -90,7 +90,7 @@ class DeviceSteps:
             config.matvec_kernel
             and type(model).decode is Decoder.decode
             and config.num_slots <= matvec.MAX_ROWS
-            and matvec.load(next(iter(self._device.device_set)).platform)
+            and matvec.load(getattr(next(iter(self._device.device_set)), "platform", None))
         ):
             self._matvec = matvec.matvec
         self.traces = 0
@@ -166,8 +166,9 @@ class DeviceSteps:
         # Attends over the first `length` cache positions only: a step then costs what the
         # longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
+        kernel: dict[str, Any] = {} if self._matvec is None else {"matvec": self._matvec}
         logits_s1v, cache = model.decode(
-            tokens_s[:, None], positions_s[:, None], cache, length=length, matvec=self._matvec
+            tokens_s[:, None], positions_s[:, None], cache, length=length, **kernel
         )
         return (cache, *sample_tokens(logits_s1v[:, 0], *sampling))
 

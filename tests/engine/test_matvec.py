@@ -1,0 +1,158 @@
+"""The decode matmul kernel: float32 dot products of float32 or bfloat16-word weights read in place
+from stacked arrays, the decoder's serving step through it, and where it falls back to XLA."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harnessrl.engine import matvec
+from harnessrl.engine.steps import DeviceSteps
+from harnessrl.model import bf16_bits
+from harnessrl.model.config import ModelConfig
+from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.serve.config import ServeConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from reference_bounds import EPS32, assert_reordered_close
+
+pytestmark = pytest.mark.skipif(
+    not matvec.load(), reason="the matvec kernel needs an x86-64 CPU backend and a C++ compiler"
+)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _call(x, w, layer, transposed):
+    return matvec.matvec(x, w, layer, transposed)
+
+
+def _dot_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Elementwise bound on a float32 dot product's error in any summation order: each of the k
+    products and k - 1 additions rounds once, so |error| <= 2 k eps/2 sum |x_i w_i| (to first
+    order; the factor 2 covers the second-order terms and FMA's single rounding alike)."""
+    k = x.shape[1]
+    return 2.0 * k * EPS32 * (np.abs(x) @ np.abs(w)) + np.finfo(np.float32).tiny
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 12),  # past the kernel's 8 register rows: a second row group
+    k=st.integers(1, 70),  # odd counts: the two-row step's last row alone
+    n=st.integers(1, 70),  # past whole 16-lane vectors: the scalar tail
+    layers=st.integers(1, 3),
+    transposed=st.booleans(),
+    bits=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matvec_equals_the_float64_product_within_float32_dot_error(
+    rows, k, n, layers, transposed, bits, seed
+):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    w = rng.standard_normal((layers, n, k) if transposed else (layers, k, n), dtype=np.float32)
+    stored = bf16_bits.to_bits(jnp.asarray(w)) if bits else jnp.asarray(w)
+    exact_w = np.asarray(bf16_bits.widen(stored), np.float64)  # the rounded weights, if bits
+    layer = int(rng.integers(layers))
+    w_kn = exact_w[layer].T if transposed else exact_w[layer]
+    got = np.asarray(_call(x, stored, jnp.int32(layer), transposed), np.float64)
+    want = x.astype(np.float64) @ w_kn
+    assert got.shape == (rows, n)
+    assert np.all(np.abs(got - want) <= _dot_bound(x, w_kn)), np.abs(got - want).max()
+
+
+def test_matvec_reads_the_named_layer_and_splits_long_slabs():
+    # k = 300: several slabs summed across threads; every layer distinct, so a wrong offset shows.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 300), dtype=np.float32)
+    w = rng.standard_normal((4, 300, 96), dtype=np.float32)
+    for layer in range(4):
+        got = np.asarray(_call(x, jnp.asarray(w), jnp.int32(layer), False), np.float64)
+        want = x.astype(np.float64) @ w[layer]
+        assert np.all(np.abs(got - want) <= _dot_bound(x, w[layer]))
+
+
+def test_matvec_refuses_a_layer_outside_the_stack():
+    x, w = jnp.ones((2, 16)), jnp.ones((3, 16, 32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bad layer index"):
+        jax.block_until_ready(_call(x, w, jnp.int32(3), False))
+
+
+def _decoder(seed: int, **overrides) -> Decoder:
+    cfg = ModelConfig.tiny(vocab_size=100, eos_token_id=99, **overrides)
+    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    head = model.embed_vd if cfg.tie_word_embeddings else model.lm_head_dv
+    head[...] = head[...] * 40.0  # logits that span a real range
+    return model
+
+
+@pytest.mark.parametrize("bits", [False, True])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tie_word_embeddings": True},
+        {"tie_word_embeddings": False, "qkv_bias": True},
+        {"qk_norm": True},
+    ],
+    ids=["tied", "untied+bias", "qk_norm"],
+)
+def test_decode_through_the_kernel_equals_decode_through_xla_dots(overrides, bits):
+    model = _decoder(0, **overrides)
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    if bits:
+        state = jax.tree.map(bf16_bits.to_bits, state)
+    tokens = jnp.asarray([[3, 17, 42, 5], [7, 8, 9, 98], [1, 2, 3, 4]], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, -1, -1]], jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def step(params, kernel):
+        cache = KVCache.create(model.cfg, slots=3, max_len=8)
+        decoder = nnx.merge(graphdef, params, rest)
+        for t in range(tokens.shape[1]):  # one token per call, as a decode step feeds them
+            logits, cache = decoder.decode(
+                tokens[:, t : t + 1],
+                positions[:, t : t + 1],
+                cache,
+                matvec=matvec.matvec if kernel else None,
+            )
+        return logits[:, 0]
+
+    want, got = np.asarray(step(state, False)), np.asarray(step(state, True))
+    assert_reordered_close(got[:2], want[:2], model.cfg, length=8)  # rows whose last token is real
+    assert np.ptp(want[:2]) > 1.0
+
+
+def test_the_engine_decodes_through_the_kernel_only_where_configured():
+    model = _decoder(0)
+    base = {"num_slots": 2, "max_model_len": 32, "prefill_buckets": (16,), "warmup": False}
+    assert DeviceSteps(model, ServeConfig(**base))._matvec is matvec.matvec
+    assert DeviceSteps(model, ServeConfig(**base, matvec_kernel=False))._matvec is None
+    # More rows than it keeps in registers would re-read every weight per group of 8.
+    wide = {**base, "num_slots": matvec.MAX_ROWS + 1}
+    assert DeviceSteps(model, ServeConfig(**wide))._matvec is None
+
+
+def test_build_reuses_its_library_and_reports_a_failing_compiler(tmp_path, caplog):
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    assert compiler is not None  # load() found one, or this module would be skipped
+    first = matvec.build(compiler, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert matvec.build(compiler, tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    with pytest.raises(RuntimeError, match="failed"):
+        matvec.build("false", tmp_path / "broken")
+    with caplog.at_level(logging.WARNING, logger=matvec.__name__):
+        assert matvec.load("cpu", compiler="false") is False
+    assert "did not build" in caplog.text
+    assert matvec.load("tpu") is False
