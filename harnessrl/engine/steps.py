@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from harnessrl.engine import matvec
+from harnessrl.engine import cpu_kernels
 from harnessrl.engine.sampler import SamplingParams, sample_tokens
 from harnessrl.model import bf16_bits
-from harnessrl.model.decoder import Decoder, KVCache, MatVec
+from harnessrl.model.decoder import DecodeKernels, Decoder, KVCache
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.qwen3_5.cache import HybridCache
 
@@ -47,7 +47,7 @@ class EngineConfig(Protocol):
     @property
     def weight_dtype(self) -> str: ...  # float32 | bfloat16 (held as bits, see model.bf16_bits)
     @property
-    def matvec_kernel(self) -> bool: ...  # decode matmuls through engine.matvec where it runs
+    def cpu_kernels(self) -> bool: ...  # decode steps through engine.cpu_kernels where they run
 
 
 class DeviceSteps:
@@ -83,16 +83,18 @@ class DeviceSteps:
         # so does a Decoder subclass that overrides `decode`: it is served through its own.
         self.packs_prompts = self._cache_type is KVCache and type(model).decode is Decoder.decode
         self.cache = self._new_cache()
-        # Decode steps multiply a few rows by every weight: the C++ kernel streams them faster than
-        # XLA:CPU's dot. Only the dense family's own `decode` takes it; prefill stays on XLA.
-        self._matvec: MatVec | None = None
+        # Decode steps multiply a few rows by every weight and read each slot's cache once: the C++
+        # kernels stream both faster than XLA:CPU's ops. Only the dense family's own `decode` takes
+        # them, in float32; prefill stays on XLA.
+        self._kernels: DecodeKernels | None = None
         if (
-            config.matvec_kernel
+            config.cpu_kernels
             and type(model).decode is Decoder.decode
-            and config.num_slots <= matvec.MAX_ROWS
-            and matvec.load(getattr(next(iter(self._device.device_set)), "platform", None))
+            and config.num_slots <= cpu_kernels.MAX_ROWS
+            and cfg.compute_jnp_dtype == jnp.float32
+            and cpu_kernels.load(getattr(next(iter(self._device.device_set)), "platform", None))
         ):
-            self._matvec = matvec.matvec
+            self._kernels = cpu_kernels.KERNELS
         self.traces = 0
         self._decode = jax.jit(
             self._counted(self._decode_fn), static_argnums=(0,), donate_argnums=(2,)
@@ -166,7 +168,7 @@ class DeviceSteps:
         # Attends over the first `length` cache positions only: a step then costs what the
         # longest live sequence needs, not max_model_len.
         model = nnx.merge(self.graphdef, state, self._rest)
-        kernel: dict[str, Any] = {} if self._matvec is None else {"matvec": self._matvec}
+        kernel: dict[str, Any] = {} if self._kernels is None else {"kernels": self._kernels}
         logits_s1v, cache = model.decode(
             tokens_s[:, None], positions_s[:, None], cache, length=length, **kernel
         )

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,8 +147,22 @@ class DecoderLayers(nnx.Module):
 
 # `matvec(x_rk, w_lkn, layer, transposed)` → `x_rk @ w_lkn[layer]` (`@ w_lnk[layer].T` if
 # transposed) as float32: a serving runtime's kernel for few-row matmuls that reads one layer's
-# weights (float32, or bfloat16 words) in place from the stacked array (harnessrl.engine.matvec).
+# weights (float32, or bfloat16 words) in place from the stacked array (harnessrl.engine.cpu_kernels).
 MatVec = Callable[..., jax.Array]
+
+
+class DecodeKernels(NamedTuple):
+    """A serving runtime's kernels for decode steps (one token per cache slot).
+
+    `matvec` (see `MatVec`) computes every projection and the head; `attention(q_she, k_lsmke,
+    v_lsmke, layer, positions_s)` attends each slot's query over that slot's cache positions
+    `0..positions_s[s]` of layer `layer`, read in place (`[slots, heads, head_dim]` out).
+    """
+
+    matvec: MatVec
+    attention: Callable[..., jax.Array]
+
+
 # `project(x, name)`: x contracted with the layer's weight `name` over its input axes.
 Project = Callable[[jax.Array, str], jax.Array]
 PROJECTIONS = ("wq_ldhe", "wk_ldke", "wv_ldke", "wo_lhed", "w_gate_ldf", "w_up_ldf", "w_down_lfd")
@@ -275,11 +290,12 @@ class Decoder(nnx.Module):
         slot: int | jax.Array | None = None,
         length: int | None = None,
         last: int | jax.Array | None = None,
-        matvec: MatVec | None = None,
+        kernels: DecodeKernels | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Serving step over cache slots; see the module docstring for the exact contract.
 
-        `matvec` (see `MatVec`), when given, computes every projection and the head.
+        `kernels`, for a decode step (one token per slot, `slot=None`, float32 cache), computes
+        the projections, the head and the attention.
         """
         cfg = self.cfg
         b, t = tokens_bt.shape
@@ -298,11 +314,12 @@ class Decoder(nnx.Module):
             (slots_bt, write_bt),
             mask_bts,
             window=(first, b, length),
-            matvec=matvec,
+            kernels=kernels,
+            positions_b=positions_bt[:, -1],
         )
         if last is not None:  # the vocab projection only where a token is sampled
             x_btd = jax.lax.dynamic_slice_in_dim(x_btd, last, 1, axis=1)
-        return self.logits(x_btd, matvec), cache
+        return self.logits(x_btd, None if kernels is None else kernels.matvec), cache
 
     def prefill_packed(
         self,
@@ -348,33 +365,42 @@ class Decoder(nnx.Module):
         mask_bts: jax.Array,
         *,
         window: tuple[int | jax.Array, int, int] | None,
-        matvec: MatVec | None = None,
+        kernels: DecodeKernels | None = None,
+        positions_b: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The layer scan of a serving call: each layer writes the call's keys and values at
         `writes` (cache slot, index per token; an out-of-range index is dropped), then attends over
         `window` (first slot, rows, length) of its cache, or, when None, over the call's own.
 
         The whole cache is the scan's carry, so each layer's scatter updates it in place. With
-        `matvec`, the projection weights stay out of the scan's slices: it reads them in place.
+        `kernels` (a decode step: one token per slot, `positions_b` its positions), the projection
+        weights stay out of the scan's slices and the attention reads the cache in place.
         """
         cfg = self.cfg
         slots_bt, write_bt = writes
         Carry = tuple[jax.Array, jax.Array, jax.Array]
         stacked = self.layers.stacked()
         sliced = stacked
-        if matvec is not None:
+        if kernels is not None:
+            b, t = x_btd.shape[:2]
+            if window is None or t != 1 or b != cache.slots or positions_b is None:
+                raise ValueError("decode kernels take a decode step: one token per cache slot")
             sliced = {name: value for name, value in stacked.items() if name not in PROJECTIONS}
 
         def layer(carry: Carry, xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[Carry, None]:
             x_btd, k_lbske, v_lbske = carry
             w, i = xs
             w = {name: widen(value) for name, value in w.items()}  # a serving engine's bf16 bits
-            project = None if matvec is None else matvec_project(matvec, stacked, i)
+            project = None if kernels is None else matvec_project(kernels.matvec, stacked, i)
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
             q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, *rope, project)
             at = (jnp.full_like(slots_bt, i), slots_bt, write_bt)
             k_lbske = k_lbske.at[at].set(k_btke.astype(k_lbske.dtype), mode="drop")
             v_lbske = v_lbske.at[at].set(v_btke.astype(v_lbske.dtype), mode="drop")
+            if kernels is not None:
+                o_bhe = kernels.attention(q_bthe[:, 0], k_lbske, v_lbske, i, positions_b)
+                x_btd = block_tail(cfg, w, x_btd, o_bhe[:, None], project)
+                return (x_btd, k_lbske, v_lbske), None
             if window is not None:
                 first, rows, length = window
                 shape = (1, rows, length, cfg.num_kv_heads, cfg.head_dim)

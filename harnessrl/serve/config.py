@@ -52,9 +52,10 @@ class ServeConfig:
     # float32: logprobs exactly the learner's. bfloat16: weights rounded to bf16 (arithmetic stays
     # float32), so a decode step reads half the bytes; logprobs then differ by that rounding.
     weight_dtype: str = "float32"
-    # Decode steps' matmuls through a C++ kernel built on first use (x86-64 CPU, num_slots <= 8,
-    # a C++ compiler on PATH); elsewhere, or off, they are XLA dots. Same float32 arithmetic.
-    matvec_kernel: bool = True
+    # Decode steps' matmuls and attention through C++ kernels built on first use (x86-64 CPU,
+    # num_slots <= 8, float32 compute, a C++ compiler); elsewhere, or off, XLA's ops. Same float32
+    # arithmetic up to summation order.
+    cpu_kernels: bool = True
     warmup: bool = True  # compile every serving program before accepting requests
     log_level: str = "warning"  # uvicorn log level
 

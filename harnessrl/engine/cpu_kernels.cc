@@ -1,8 +1,9 @@
-// Engine stage, CPU kernel: a few activation rows times one layer's weight matrix, for decoding.
+// Engine stage, CPU kernels of a decode step (see cpu_kernels.py), as XLA FFI targets:
 //
-// In: x [rows, k] float32, the stacked weights w [layers, k, n] (or [layers, n, k] when
-// `transposed`) as float32 or as bfloat16 words (uint16), and the layer index. Out: [rows, n]
-// float32. Registered as the XLA FFI target `harnessrl_matvec` (see matvec.py).
+// `harnessrl_matvec`: x [rows, k] float32 times layer l of the stacked weights w [layers, k, n]
+// (or [layers, n, k] when `transposed`), float32 or bfloat16 words (uint16) → [rows, n] float32.
+// `harnessrl_decode_attention`: one query per cache slot over that slot's cache positions, read
+// in place from the [layers, slots, len, kv_heads, head_dim] cache (below).
 //
 // Why: a decode step multiplies 8 rows by every weight matrix once, so it is bound by the bytes of
 // weights it streams. XLA:CPU's dot packs the whole weight panel before multiplying, at about half
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -30,7 +32,9 @@ namespace {
 
 constexpr int kLanes = 16;      // float32 lanes of one vector
 constexpr int kMaxRows = 8;     // rows kept in registers at once
-constexpr int kMinSlab = 64;    // fewest weight rows worth a task of their own
+constexpr int kStep = 4;        // weight rows read together (a multiple of two)
+constexpr int kMinSlab = 32;    // fewest weight rows worth a task of their own
+constexpr int kSlabsPerThread = 4;  // slabs per thread: a helper that wakes late still takes some
 constexpr int kRowChunk = 256;  // weight rows one task of the transposed kernel reads
 
 typedef float f32v __attribute__((vector_size(kLanes * 4)));
@@ -81,28 +85,23 @@ inline __attribute__((always_inline)) void kn_rows(const float* x, const W* w, f
   const int64_t vec_end = n / kLanes * kLanes;
   const f32v zero = {};
   int64_t d = d0;
-  for (; d + 2 <= d1; d += 2) {
-    f32v x0[R], x1[R];
-    for (int r = 0; r < R; ++r) {
-      x0[r] = zero + x[r * k + d];
-      x1[r] = zero + x[r * k + d + 1];
-    }
+  for (; d + kStep <= d1; d += kStep) {
     const W* w0 = w + d * n;
-    const W* w1 = w0 + n;
     for (int64_t c = 0; c < vec_end; c += kLanes) {
-      const f32v a = load(w0 + c), b = load(w1 + c);
+      f32v wv[kStep];
+      for (int j = 0; j < kStep; ++j) wv[j] = load(w0 + j * n + c);
       for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * k + d;
         f32v s = load(acc + r * n + c);
-        s += x0[r] * a;
-        s += x1[r] * b;
+        for (int j = 0; j < kStep; ++j) s += xr[j] * wv[j];
         std::memcpy(acc + r * n + c, &s, sizeof s);
       }
     }
     for (int64_t c = vec_end; c < n; ++c)
       for (int r = 0; r < R; ++r)
-        acc[r * n + c] += x[r * k + d] * scalar(w0[c]) + x[r * k + d + 1] * scalar(w1[c]);
+        for (int j = 0; j < kStep; ++j) acc[r * n + c] += x[r * k + d + j] * scalar(w0[j * n + c]);
   }
-  for (; d < d1; ++d)  // an odd last row
+  for (; d < d1; ++d)  // the last rows, fewer than kStep
     for (int64_t c = 0; c < n; ++c)
       for (int r = 0; r < R; ++r) acc[r * n + c] += x[r * k + d] * scalar(w[d * n + c]);
 }
@@ -182,18 +181,19 @@ struct Job {
 // Tasks are claimed from a shared counter by the calling thread and by helpers scheduled on XLA's
 // intra-op pool. The caller waits only for tasks already claimed (they run on live threads), so
 // the call finishes even when no helper ever starts; a helper that starts late finds no task and
-// touches nothing but the state it co-owns.
+// touches nothing but the state it co-owns. Tasks are several per thread, so a helper that wakes
+// late still takes a share.
 //
 // Transposed (w [n, k]): task t computes output columns [t*span, (t+1)*span) into `out`.
-// Otherwise (w [k, n]): task t sums weight rows [t*span, (t+1)*span) into its own partial [rows, n],
-// and the caller adds the partials: every task then streams one contiguous slab of weights.
+// Otherwise (w [k, n]): task t sums weight rows [t*span, (t+1)*span) into its thread's partial
+// [rows, n], and the caller adds the partials: every task streams one contiguous slab of weights.
 struct Work {
   Job job;
   int64_t tasks = 0, span = 0;
-  std::vector<float> partial;  // [tasks, rows, n], zeroed; the k-split only
-  std::atomic<int64_t> next{0}, done{0};
+  std::vector<float> partial;  // [threads, rows, n], zeroed; the k-split only
+  std::atomic<int64_t> next{0}, done{0}, joined{0};
 
-  void run(int64_t t) {
+  void run(int64_t t, int64_t slot) {
     const int64_t end = job.transposed ? job.n : job.k;
     const int64_t i0 = t * span, i1 = i0 + span < end ? i0 + span : end;
     for (int64_t r0 = 0; r0 < job.rows; r0 += kMaxRows) {
@@ -206,7 +206,7 @@ struct Work {
         else
           nk_chunk(x, static_cast<const float*>(job.w), out, rows, job.k, job.n, i0, i1);
       } else {
-        float* acc = partial.data() + (t * job.rows + r0) * job.n;
+        float* acc = partial.data() + (slot * job.rows + r0) * job.n;
         if (job.bits)
           kn_chunk(x, static_cast<const uint16_t*>(job.w), acc, rows, job.k, job.n, i0, i1);
         else
@@ -216,8 +216,10 @@ struct Work {
   }
 
   void drain() {
+    int64_t slot = -1;  // this thread's partial, taken with its first task
     for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-      run(t);
+      if (slot < 0) slot = joined.fetch_add(1);
+      run(t, slot);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -246,10 +248,11 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   if (transposed) {
     work->span = kRowChunk;
     work->tasks = (n + kRowChunk - 1) / kRowChunk;
-  } else {  // one slab per thread, of an even number of rows
-    work->tasks = std::max<int64_t>(1, std::min<int64_t>(threads, k / kMinSlab));
-    work->span = ((k + work->tasks - 1) / work->tasks + 1) / 2 * 2;
-    work->partial.assign(work->tasks * rows * n, 0.0f);
+  } else {  // slabs of a multiple of kStep rows, a few per thread
+    const int64_t slab = (k + threads * kSlabsPerThread - 1) / (threads * kSlabsPerThread);
+    work->span = std::max<int64_t>(kMinSlab, (slab + kStep - 1) / kStep * kStep);
+    work->tasks = (k + work->span - 1) / work->span;
+    work->partial.assign(std::min(threads, work->tasks) * rows * n, 0.0f);
   }
   const int64_t helpers = std::min(threads, work->tasks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
@@ -259,12 +262,117 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     __builtin_ia32_pause();
 #endif
   }
-  if (!transposed) {
+  if (!transposed) {  // every partial that a thread joined is complete: its tasks are all done
     float* y = out->typed_data();
     const float* p = work->partial.data();
     std::memcpy(y, p, sizeof(float) * rows * n);
-    for (int64_t t = 1; t < work->tasks; ++t)
+    for (int64_t t = 1; t < work->joined.load(std::memory_order_acquire); ++t)
       for (int64_t i = 0; i < rows * n; ++i) y[i] += p[t * rows * n + i];
+  }
+  return ffi::Error::Success();
+}
+
+// ---- decode attention ----------------------------------------------------------------------
+// out[s, h] = softmax_m(q[s, h] . k[layer, s, m, h / g] / sqrt(e)) @ v[layer, s, m, h / g] over the
+// cache positions m = 0..positions[s] of slot s (g = heads / kv_heads): straight from the cache, so
+// no window of it is copied, and each slot reads only its own length. A slot at position -1
+// (idle) gets zeros.
+struct AttentionJob {
+  const float *q, *k, *v;
+  float* out;
+  const int32_t* positions;
+  int64_t slots, max_len, heads, kv_heads, e;
+};
+
+inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t e) {
+  f32v acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= e; i += kLanes) acc += load(a + i) * load(b + i);
+  float s = sum(acc);
+  for (; i < e; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void attend_slot(const AttentionJob& job, int64_t s, std::vector<float>& scores) {
+  const int64_t e = job.e, g = job.heads / job.kv_heads, row = job.kv_heads * e;
+  float* out = job.out + s * job.heads * e;
+  std::memset(out, 0, sizeof(float) * job.heads * e);
+  const int64_t n = int64_t(job.positions[s]) + 1;  // positions 0..p
+  if (n <= 0) return;
+  const float* q = job.q + s * job.heads * e;
+  const float* k = job.k + s * job.max_len * row;
+  const float* v = job.v + s * job.max_len * row;
+  const float scale = 1.0f / std::sqrt(float(e));
+  scores.resize(job.heads * n);
+  for (int64_t h = 0; h < job.heads; ++h) {
+    float* p = scores.data() + h * n;
+    const float* kh = k + (h / g) * e;
+    float top = -INFINITY;
+    for (int64_t m = 0; m < n; ++m) {
+      p[m] = dot(q + h * e, kh + m * row, e) * scale;
+      top = p[m] > top ? p[m] : top;
+    }
+    float total = 0.0f;
+    for (int64_t m = 0; m < n; ++m) total += (p[m] = std::exp(p[m] - top));
+    const float inv = 1.0f / total;
+    for (int64_t m = 0; m < n; ++m) p[m] *= inv;
+  }
+  for (int64_t m = 0; m < n; ++m)  // the values, position by position: one pass over the cache
+    for (int64_t h = 0; h < job.heads; ++h) {
+      const float w = scores[h * n + m];
+      const float* vh = v + m * row + (h / g) * e;
+      float* o = out + h * e;
+      int64_t i = 0;
+      for (; i + kLanes <= e; i += kLanes) {
+        f32v acc = load(o + i) + w * load(vh + i);
+        std::memcpy(o + i, &acc, sizeof acc);
+      }
+      for (; i < e; ++i) o[i] += w * vh[i];
+    }
+}
+
+struct AttentionWork {
+  AttentionJob job;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void drain() {
+    std::vector<float> scores;
+    for (int64_t s; (s = next.fetch_add(1)) < job.slots;) {
+      attend_slot(job, s, scores);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
+    return ffi::Error::InvalidArgument(
+        "harnessrl_decode_attention takes q [slots, heads, e] and k, v [layers, slots, len, kv, e]");
+  const int64_t slots = qd[0], heads = qd[1], e = qd[2];
+  if (kd[1] != slots || kd[4] != e || kd[3] < 1 || heads % kd[3] != 0 ||
+      positions.element_count() != size_t(slots))
+    return ffi::Error::InvalidArgument("harnessrl_decode_attention: shapes disagree");
+  const int64_t l = layer.typed_data()[0], max_len = kd[2];
+  if (l < 0 || l >= kd[0])
+    return ffi::Error::InvalidArgument("harnessrl_decode_attention: bad layer index");
+  for (int64_t s = 0; s < slots; ++s)
+    if (positions.typed_data()[s] >= max_len)
+      return ffi::Error::InvalidArgument("harnessrl_decode_attention: position past the cache");
+  const int64_t layer_size = slots * max_len * kd[3] * e;
+  auto work = std::make_shared<AttentionWork>();
+  work->job = AttentionJob{q.typed_data(), k.typed_data() + l * layer_size,
+                           v.typed_data() + l * layer_size, out->typed_data(),
+                           positions.typed_data(), slots, max_len, heads, kd[3], e};
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), slots) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < slots) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
   }
   return ffi::Error::Success();
 }
@@ -279,3 +387,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessrlMatVec, MatVec,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessrlDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

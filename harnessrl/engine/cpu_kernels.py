@@ -1,10 +1,11 @@
-"""Engine stage, CPU kernel: decode-step matmuls (a few rows times one layer's weights) in C++.
+"""Engine stage, CPU kernels: a decode step's matmuls and attention in C++, read in place.
 
-In: activation rows `[rows, k]` float32 and a stacked weight `[layers, k, n]` (or `[layers, n,
-k]`), float32 or bfloat16 words (`model.bf16_bits`), plus a layer index. Out: `[rows, n]` float32.
-`matvec.cc` is compiled with the system's C++ compiler on first use into a per-user cache and
-registered as an XLA FFI target; `load()` returns False where it cannot be (no compiler, not an
-x86-64 CPU backend), and the decoder then keeps XLA's dot. See docs/serve.md for why and figures.
+`matvec`: activation rows `[rows, k]` float32 times layer `i` of a stacked weight `[layers, k, n]`
+(or `[layers, n, k]`), float32 or bfloat16 words (`model.bf16_bits`) → `[rows, n]` float32.
+`decode_attention`: one query per cache slot against that slot's own cache positions → `[slots,
+heads, head_dim]`. `cpu_kernels.cc` is compiled with the system's C++ compiler on first use into a
+per-user cache and registered as XLA FFI targets; `load()` returns False where it cannot be (no
+compiler, not an x86-64 CPU backend), and the decoder then keeps XLA's ops. See docs/serve.md.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from harnessrl.model.decoder import DecodeKernels
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("matvec.cc")
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGET = "harnessrl_matvec"
+ATTENTION_TARGET = "harnessrl_decode_attention"
 MAX_ROWS = 8  # rows the kernel keeps in registers; more rows re-read the weights per group
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 
@@ -44,7 +48,7 @@ def _cpuinfo() -> str:
 
 
 def build(compiler: str, out_dir: Path) -> Path:
-    """Compile `matvec.cc` into `out_dir` (once per source, compiler and jax version) → the .so.
+    """Compile `cpu_kernels.cc` into `out_dir` (once per source, compiler and jax version) → the .so.
 
     Raises RuntimeError with the compiler's output when it fails.
     """
@@ -56,7 +60,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     key = hashlib.sha256(
         "\0".join((SOURCE.read_text(), version, cpu, jax.__version__, *FLAGS)).encode()
     ).hexdigest()[:16]
-    library = out_dir / f"matvec-{key}.so"
+    library = out_dir / f"cpu_kernels-{key}.so"
     if library.exists():
         return library
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,8 +77,12 @@ def build(compiler: str, out_dir: Path) -> Path:
 
 @functools.cache
 def _register(library: Path) -> None:
-    handler = ctypes.cdll.LoadLibrary(str(library)).HarnessrlMatVec
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    handlers = ctypes.cdll.LoadLibrary(str(library))
+    for target, handler in (
+        (TARGET, handlers.HarnessrlMatVec),
+        (ATTENTION_TARGET, handlers.HarnessrlDecodeAttention),
+    ):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
 
 
 def load(backend: str | None = None, compiler: str | None = None) -> bool:
@@ -109,3 +117,26 @@ def matvec(x_rk: jax.Array, w_lkn: jax.Array, layer: jax.Array, transposed: bool
     return call(
         x_rk.astype(jnp.float32), w_lkn, jnp.asarray(layer, jnp.int32), transposed=transposed
     )
+
+
+def decode_attention(
+    q_she: jax.Array,
+    k_lsmke: jax.Array,
+    v_lsmke: jax.Array,
+    layer: jax.Array,
+    positions_s: jax.Array,
+) -> jax.Array:
+    """One query per cache slot against that slot's cache positions `0..positions_s[s]` of layer
+    `layer` (float32 caches), read in place; grouped-query heads as `attention.attend`. A slot at
+    position -1 gets zeros. → `[slots, heads, head_dim]` float32."""
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q_she.shape, jnp.float32))
+    return call(
+        q_she.astype(jnp.float32),
+        k_lsmke,
+        v_lsmke,
+        jnp.asarray(layer, jnp.int32),
+        positions_s.astype(jnp.int32),
+    )
+
+
+KERNELS = DecodeKernels(matvec=matvec, attention=decode_attention)

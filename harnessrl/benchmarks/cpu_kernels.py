@@ -1,6 +1,6 @@
 """Benchmark: engine decode tokens/s with the decode matmul kernel against XLA's dots, same run.
 
-For each weight precision, two engines serve the same model, one with `matvec_kernel` on and one
+For each weight precision, two engines serve the same model, one with `cpu_kernels` on and one
 off; rounds of 8 concurrent requests alternate between them (so a change in the host's load hits
 both), and each engine's tokens/s is the median over the rounds. No HTTP: this isolates the
 engine's steps (prefill and decode) from the server around them.
@@ -15,14 +15,14 @@ import statistics
 from collections.abc import Sequence
 
 from harnessrl.benchmarks.device import CONCURRENCY, decode_round
-from harnessrl.engine import matvec
+from harnessrl.engine import cpu_kernels
 from harnessrl.engine.decode import Engine
 from harnessrl.serve.config import ServeConfig
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m harnessrl.benchmarks.matvec", description=__doc__
+        prog="python -m harnessrl.benchmarks.cpu_kernels", description=__doc__
     )
     parser.add_argument("--model", default="smollm2", help="smollm2 | HF folder | .gguf | tiny")
     parser.add_argument("--prompt", type=int, default=40, help="prompt tokens per request")
@@ -35,8 +35,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--weight-dtypes takes float32 and/or bfloat16, got {args.weight_dtypes!r}")
     if args.rounds < 1 or args.prompt < 1 or args.tokens < 1:
         parser.error("--rounds, --prompt and --tokens must be at least 1")
-    if not matvec.load():
-        raise SystemExit("matvec: the kernel cannot run here (see the log line above)")
+    if not cpu_kernels.load():
+        raise SystemExit("cpu_kernels: the kernels cannot run here (see the log line above)")
     from harnessrl.model.load import load_policy
 
     model, _ = load_policy(args.model)
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 num_slots=CONCURRENCY,
                 max_model_len=1024,
                 weight_dtype=dtype,
-                matvec_kernel=kernel,
+                cpu_kernels=kernel,
             )
             engines[kernel] = Engine(model, eos, config)
             engines[kernel].warm_up()
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"tokens_per_s_xla_{dtype}={statistics.median(rates[False]):.1f} "
             f"speedup_{dtype}={speedup:.2f}"
         )
-    print(f"matvec: speedup={min(speedups):.2f} {' '.join(fields)}")
+    print(f"cpu_kernels: speedup={min(speedups):.2f} {' '.join(fields)}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m harnessrl.benchmarks.matvec` on the tiny model: both engines decode, and the last
+"""`python -m harnessrl.benchmarks.cpu_kernels` on the tiny model: both engines decode, and the last
 line reports each precision's rates and their ratio."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import re
 
 import pytest
 
-from harnessrl.benchmarks import matvec as benchmark
-from harnessrl.engine import matvec
+from harnessrl.benchmarks import cpu_kernels as benchmark
+from harnessrl.engine import cpu_kernels
 
 FINAL = re.compile(
-    r"^matvec: speedup=(?P<speedup>\d+\.\d\d) "
+    r"^cpu_kernels: speedup=(?P<speedup>\d+\.\d\d) "
     r"tokens_per_s_kernel_float32=(?P<kernel>\d+\.\d) tokens_per_s_xla_float32=(?P<xla>\d+\.\d) "
     r"speedup_float32=(?P<ratio>\d+\.\d\d)$"
 )
 
 
-@pytest.mark.skipif(not matvec.load(), reason="the kernel needs an x86-64 CPU and a compiler")
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the kernel needs an x86-64 CPU and a compiler")
 def test_tiny_run_reports_both_engines_rates(capsys: pytest.CaptureFixture[str]) -> None:
     benchmark.main(["--model", "tiny", "--rounds", "1", "--tokens", "4", "--prompt", "8",
                     "--weight-dtypes", "float32"])  # fmt: skip

@@ -18,9 +18,9 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harnessrl.engine import matvec
+from harnessrl.engine import cpu_kernels
 from harnessrl.engine.steps import DeviceSteps
-from harnessrl.model import bf16_bits
+from harnessrl.model import attention, bf16_bits
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder, KVCache
 from harnessrl.serve.config import ServeConfig
@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from reference_bounds import EPS32, assert_reordered_close
 
 pytestmark = pytest.mark.skipif(
-    not matvec.load(), reason="the matvec kernel needs an x86-64 CPU backend and a C++ compiler"
+    not cpu_kernels.load(), reason="the CPU kernels need an x86-64 CPU backend and a C++ compiler"
 )
 
 
 @functools.partial(jax.jit, static_argnums=3)
 def _call(x, w, layer, transposed):
-    return matvec.matvec(x, w, layer, transposed)
+    return cpu_kernels.matvec(x, w, layer, transposed)
 
 
 def _dot_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -83,10 +83,18 @@ def test_matvec_reads_the_named_layer_and_splits_long_slabs():
         assert np.all(np.abs(got - want) <= _dot_bound(x, w[layer]))
 
 
-def test_matvec_refuses_a_layer_outside_the_stack():
+_attend = jax.jit(cpu_kernels.decode_attention)
+
+
+def test_the_kernels_refuse_a_layer_or_position_outside_the_cache():
     x, w = jnp.ones((2, 16)), jnp.ones((3, 16, 32))
     with pytest.raises(jax.errors.JaxRuntimeError, match="bad layer index"):
         jax.block_until_ready(_call(x, w, jnp.int32(3), False))
+    q, cache = jnp.ones((2, 4, 8)), jnp.ones((3, 2, 6, 2, 8))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bad layer index"):
+        jax.block_until_ready(_attend(q, cache, cache, jnp.int32(-1), jnp.asarray([0, 1])))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="position past the cache"):
+        jax.block_until_ready(_attend(q, cache, cache, jnp.int32(0), jnp.asarray([0, 6])))
 
 
 def _decoder(seed: int, **overrides) -> Decoder:
@@ -124,7 +132,7 @@ def test_decode_through_the_kernel_equals_decode_through_xla_dots(overrides, bit
                 tokens[:, t : t + 1],
                 positions[:, t : t + 1],
                 cache,
-                matvec=matvec.matvec if kernel else None,
+                kernels=cpu_kernels.KERNELS if kernel else None,
             )
         return logits[:, 0]
 
@@ -133,26 +141,65 @@ def test_decode_through_the_kernel_equals_decode_through_xla_dots(overrides, bit
     assert np.ptp(want[:2]) > 1.0
 
 
-def test_the_engine_decodes_through_the_kernel_only_where_configured():
+def test_the_engine_decodes_through_the_kernels_only_where_configured():
     model = _decoder(0)
     base = {"num_slots": 2, "max_model_len": 32, "prefill_buckets": (16,), "warmup": False}
-    assert DeviceSteps(model, ServeConfig(**base))._matvec is matvec.matvec
-    assert DeviceSteps(model, ServeConfig(**base, matvec_kernel=False))._matvec is None
+    assert DeviceSteps(model, ServeConfig(**base))._kernels is cpu_kernels.KERNELS
+    assert DeviceSteps(model, ServeConfig(**base, cpu_kernels=False))._kernels is None
     # More rows than it keeps in registers would re-read every weight per group of 8.
-    wide = {**base, "num_slots": matvec.MAX_ROWS + 1}
-    assert DeviceSteps(model, ServeConfig(**wide))._matvec is None
+    wide = {**base, "num_slots": cpu_kernels.MAX_ROWS + 1}
+    assert DeviceSteps(model, ServeConfig(**wide))._kernels is None
+    # The kernels compute in float32: a bfloat16-compute model keeps XLA's dots.
+    half = Decoder(model.cfg.replace(compute_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    assert DeviceSteps(half, ServeConfig(**base))._kernels is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    slots=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([4, 16, 20, 64]),  # whole vectors and a scalar tail
+    positions=st.lists(st.integers(-1, 11), min_size=5, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_attention_equals_masked_attention_over_the_cache(
+    slots, kv_heads, group, head_dim, positions, seed
+):
+    rng = np.random.default_rng(seed)
+    layers, max_len, heads = 2, 12, kv_heads * group
+    q = rng.standard_normal((slots, heads, head_dim), dtype=np.float32) * 2
+    k, v = (
+        rng.standard_normal((layers, slots, max_len, kv_heads, head_dim), dtype=np.float32)
+        for _ in range(2)
+    )
+    pos = np.asarray(positions[:slots], np.int32)
+    got = np.asarray(_attend(q, k, v, jnp.int32(1), pos))
+    want = np.asarray(
+        attention.attend(
+            jnp.asarray(q)[:, None],
+            jnp.asarray(k[1]),
+            jnp.asarray(v[1]),
+            attention.cache_mask(jnp.asarray(pos)[:, None], max_len),
+        )[:, 0]
+    )
+    live = pos >= 0
+    # Softmax weights sum to 1, so outputs are within float32 reordering of the values' scale.
+    tol = 8 * (max_len + head_dim) * EPS32 * float(np.abs(v).max())
+    np.testing.assert_allclose(got[live], want[live], rtol=0, atol=tol)
+    assert not got[~live].any()  # an idle slot reads nothing
 
 
 def test_build_reuses_its_library_and_reports_a_failing_compiler(tmp_path, caplog):
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     assert compiler is not None  # load() found one, or this module would be skipped
-    first = matvec.build(compiler, tmp_path)
+    first = cpu_kernels.build(compiler, tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert matvec.build(compiler, tmp_path) == first
+    assert cpu_kernels.build(compiler, tmp_path) == first
     assert first.stat().st_mtime_ns == stamp  # found, not rebuilt
     with pytest.raises(RuntimeError, match="failed"):
-        matvec.build("false", tmp_path / "broken")
-    with caplog.at_level(logging.WARNING, logger=matvec.__name__):
-        assert matvec.load("cpu", compiler="false") is False
+        cpu_kernels.build("false", tmp_path / "broken")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load("cpu", compiler="false") is False
     assert "did not build" in caplog.text
-    assert matvec.load("tpu") is False
+    assert cpu_kernels.load("tpu") is False
