@@ -34,7 +34,7 @@ class ServeConfig:
     port: int = 8000  # 0 picks a free one (embedded server only)
     num_slots: int = 8  # KV-cache rows: requests decoded together
     max_model_len: int = 2048  # longest prompt + completion in tokens
-    prefill_buckets: tuple[int, ...] = (16, 64, 256)  # prompt chunk sizes compiled for prefill
+    prefill_buckets: tuple[int, ...] = (16, 64, 128, 256)  # prompt chunk sizes compiled for prefill
     # Cache lengths a decode step attends over (the smallest that covers every live sequence);
     # empty: powers of two from 128, then max_model_len.
     decode_buckets: tuple[int, ...] = ()
