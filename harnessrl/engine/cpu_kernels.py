@@ -32,6 +32,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGET = "harnessrl_matvec"
 ATTENTION_TARGET = "harnessrl_decode_attention"
 MAX_ROWS = 8  # rows the kernel keeps in registers; more rows re-read the weights per group
+# Slots the engine sends through the kernels: beyond 8 rows the matmul re-reads each weight per
+# group of 8, and it still beat XLA's dots at 16 and 32 (docs/serve.md); larger is not measured.
+MAX_SLOTS = 32
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 
 

@@ -90,7 +90,7 @@ class DeviceSteps:
         if (
             config.cpu_kernels
             and type(model).decode is Decoder.decode
-            and config.num_slots <= cpu_kernels.MAX_ROWS
+            and config.num_slots <= cpu_kernels.MAX_SLOTS
             and cfg.compute_jnp_dtype == jnp.float32
             and cpu_kernels.load(getattr(next(iter(self._device.device_set)), "platform", None))
         ):

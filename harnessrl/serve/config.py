@@ -53,7 +53,7 @@ class ServeConfig:
     # float32), so a decode step reads half the bytes; logprobs then differ by that rounding.
     weight_dtype: str = "float32"
     # Decode steps' matmuls and attention through C++ kernels built on first use (x86-64 CPU,
-    # num_slots <= 8, float32 compute, a C++ compiler); elsewhere, or off, XLA's ops. Same float32
+    # num_slots <= 32, float32 compute, a C++ compiler); elsewhere, or off, XLA's ops. Same float32
     # arithmetic up to summation order.
     cpu_kernels: bool = True
     warmup: bool = True  # compile every serving program before accepting requests

@@ -146,8 +146,8 @@ def test_the_engine_decodes_through_the_kernels_only_where_configured():
     base = {"num_slots": 2, "max_model_len": 32, "prefill_buckets": (16,), "warmup": False}
     assert DeviceSteps(model, ServeConfig(**base))._kernels is cpu_kernels.KERNELS
     assert DeviceSteps(model, ServeConfig(**base, cpu_kernels=False))._kernels is None
-    # More rows than it keeps in registers would re-read every weight per group of 8.
-    wide = {**base, "num_slots": cpu_kernels.MAX_ROWS + 1}
+    # Past the slots it was measured faster at, XLA's dots stay.
+    wide = {**base, "num_slots": cpu_kernels.MAX_SLOTS + 1}
     assert DeviceSteps(model, ServeConfig(**wide))._kernels is None
     # The kernels compute in float32: a bfloat16-compute model keeps XLA's dots.
     half = Decoder(model.cfg.replace(compute_dtype="bfloat16"), rngs=nnx.Rngs(0))
