@@ -35,17 +35,29 @@ ERROR_RATIO = 3.0
 FLOOR_ULPS = 4.0
 
 
-def reference_bounds(ref32: np.ndarray, ref64: np.ndarray) -> tuple[float, float, float]:
+# Gradients go through the backward pass of every layer: each layer's reductions (weight gradients
+# summed over tokens, activation gradients over features) round in their own order in each
+# implementation, and those differences compound layer by layer instead of meeting once at the
+# logits. So the two implementations' errors scatter further apart: on an Intel AVX-512 host, our
+# float32 weight gradients of the tiny Qwen3.5 hybrid were 4-8.5x the reference's own error, with
+# no parameter further off. 16 keeps the bound below 1e-4 relative on those gradients, while a
+# real bug (a wrong mask, a missed norm or gate) moves them by 1e-2 relative or more.
+GRADIENT_ERROR_RATIO = 16.0
+
+
+def reference_bounds(
+    ref32: np.ndarray, ref64: np.ndarray, ratio: float = ERROR_RATIO
+) -> tuple[float, float, float]:
     """(reference's own float32 error, bound on ours vs float64, bound on ours vs reference fp32).
 
-    Ours vs the float64 logits: ERROR_RATIO times the reference's error, plus the floor. Ours vs
-    the reference's float32 logits: by the triangle inequality each is within its own error of
-    the exact logits, so they differ by at most the sum, (ERROR_RATIO + 1) times that error.
+    Ours vs the float64 values: `ratio` times the reference's error, plus the floor. Ours vs the
+    reference's float32 values: by the triangle inequality each is within its own error of the
+    exact values, so they differ by at most the sum, (`ratio` + 1) times that error.
     """
     exact = np.asarray(ref64, np.float64)
     ref_error = float(np.abs(np.asarray(ref32, np.float64) - exact).max())
     floor = FLOOR_ULPS * EPS32 * float(np.abs(exact).max())
-    return ref_error, ERROR_RATIO * ref_error + floor, (ERROR_RATIO + 1.0) * ref_error + floor
+    return ref_error, ratio * ref_error + floor, (ratio + 1.0) * ref_error + floor
 
 
 def assert_logits_match_reference(
