@@ -43,7 +43,7 @@ from harnessrl.learner.hosts import LeadLearner, follow
 from harnessrl.learner.mesh import init_distributed, logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.plan import check_fits
 from harnessrl.learner.step import Learner
-from harnessrl.model.load import check_policy_spec, load_policy
+from harnessrl.model.formats.load import check_policy_spec, load_policy
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics
 from harnessrl.rollout import (
     CodingEvaluator,

@@ -23,7 +23,7 @@ from harnessrl.fleet import remote_serving
 from harnessrl.learner.mesh import TPU_CONFIGS_DIR, load_slice_config, recipe_path
 from harnessrl.learner.plan import check_fits, run_settings
 from harnessrl.model.config import ModelConfig
-from harnessrl.model.load import load_policy
+from harnessrl.model.formats.load import load_policy
 from harnessrl.rollout import coding_task_sets, is_coding
 
 REPO = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--rounds, --prompt and --tokens must be at least 1")
     if not cpu_kernels.load():
         raise SystemExit("cpu_kernels: the kernels cannot run here (see the log line above)")
-    from harnessrl.model.load import load_policy
+    from harnessrl.model.formats.load import load_policy
 
     model, _ = load_policy(args.model)
     eos = [] if model.cfg.eos_token_id is None else [model.cfg.eos_token_id]

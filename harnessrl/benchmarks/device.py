@@ -36,7 +36,7 @@ from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
 from harnessrl.model.config import HF_SHAPES, ModelConfig
 from harnessrl.model.decoder import Decoder
-from harnessrl.model.load import QWEN35_SHAPES
+from harnessrl.model.formats.load import QWEN35_SHAPES
 from harnessrl.model.qwen3_5 import Qwen35Config
 from harnessrl.serve.config import ServeConfig
 

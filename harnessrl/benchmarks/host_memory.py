@@ -33,7 +33,7 @@ def worker(model: str, rows: int, length: int, steps: int) -> None:
     from harnessrl.data.pack import PackedBatch
     from harnessrl.learner.config import LearnerConfig
     from harnessrl.learner.step import Learner
-    from harnessrl.model.load import load_policy
+    from harnessrl.model.formats.load import load_policy
 
     policy, _ = load_policy(model)
     learner = Learner(policy, LearnerConfig(learning_rate=LEARNING_RATE))

@@ -284,7 +284,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 def main(argv: Sequence[str] | None = None) -> None:
     args, names = parse_args(argv)
     from harnessrl.model.config import ModelConfig
-    from harnessrl.model.load import load_model
+    from harnessrl.model.formats.load import load_model
 
     devices = jax.devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind}; XLA uses every core")

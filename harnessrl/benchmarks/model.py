@@ -151,8 +151,8 @@ def torch_reference(model: Decoder | Qwen35Decoder, attn: str = "sdpa") -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from harnessrl.model.export import params_numpy
-    from harnessrl.model.hf_import import hf_from_params
+    from harnessrl.model.formats.export import params_numpy
+    from harnessrl.model.formats.hf_import import hf_from_params
     from harnessrl.model.qwen3_5.hf import hf_from_params as qwen35_hf_from_params
 
     hf_config = model.cfg.to_hf_config()
@@ -189,7 +189,7 @@ def torch_step(model: Decoder | Qwen35Decoder, tokens: np.ndarray) -> Callable[[
 
 def qwen35_model(args: argparse.Namespace) -> Qwen35Decoder:
     """A random Qwen3.5 text model of `--shape` with `--layers` layers (and `--vocab` if set)."""
-    from harnessrl.model.load import QWEN35_SHAPES
+    from harnessrl.model.formats.load import QWEN35_SHAPES
 
     if args.shape not in QWEN35_SHAPES:
         raise ValueError(f"--shape {args.shape!r} is not one of {sorted(QWEN35_SHAPES)}")
@@ -220,7 +220,7 @@ def main() -> None:
     if args.rows <= 0 or args.length <= 1:
         raise ValueError(f"--rows must be > 0 and --length > 1, got {args.rows} and {args.length}")
 
-    from harnessrl.model.load import load_model
+    from harnessrl.model.formats.load import load_model
 
     print(f"device: {len(jax.devices())} x {device.device_kind}")
     peak = matmul_peak()

@@ -22,7 +22,7 @@ import numpy as np
 
 from harnessrl.benchmarks.model import side_by_side
 from harnessrl.host_memory import keep_freed_memory
-from harnessrl.model.load import QWEN35_SHAPES
+from harnessrl.model.formats.load import QWEN35_SHAPES
 from harnessrl.model.qwen3_5 import Qwen35Config
 from harnessrl.model.qwen3_5 import gated_deltanet as gdn
 

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--weight-dtypes takes float32 and/or bfloat16, got {args.weight_dtypes!r}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    from harnessrl.model.load import load_policy
+    from harnessrl.model.formats.load import load_policy
 
     model, tokenizer = load_policy(args.model)
     print(f"model {args.model}: {args.max_tokens} sampled tokens per request")
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = None
         if python:
-            from harnessrl.model.export import export_hf
+            from harnessrl.model.formats.export import export_hf
 
             hf_dir = export_hf(model, Path(tmp) / "hf", tokenizer)
         else:

@@ -106,7 +106,7 @@ def timed(push: Callable[[int], None], rounds: int, first_version: int) -> float
 
 
 def run_embedded(args: argparse.Namespace, root: Path) -> tuple[float, dict[str, float]]:
-    from harnessrl.model.export import export_hf
+    from harnessrl.model.formats.export import export_hf
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 

@@ -101,6 +101,6 @@ class ParamSwap:
 
 def load_params(path: str) -> nnx.State:
     """An exported model folder (HF safetensors) → its params, via the model loader."""
-    from harnessrl.model.load import load_model
+    from harnessrl.model.formats.load import load_model
 
     return nnx.state(load_model(path).model, nnx.Param)

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from harnessrl.cli import to_argv
-from harnessrl.model.load import QWEN35_SHAPES, TINY
+from harnessrl.model.formats.load import QWEN35_SHAPES, TINY
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import rollout_url
 

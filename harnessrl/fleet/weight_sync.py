@@ -49,13 +49,13 @@ def check_export_dir(path: Any) -> Path:
     if not isinstance(path, str | Path):
         raise TypeError(
             f"expected the path of an exported HF folder, got {type(path).__name__}; "
-            "write one with harnessrl.model.export.export_hf(model, out_dir) first"
+            "write one with harnessrl.model.formats.export.export_hf(model, out_dir) first"
         )
     p = Path(path)
     if not (p / "config.json").is_file() or not any(p.glob("*.safetensors")):
         raise ValueError(
             f"{str(p)!r} is not an exported HF folder (needs config.json and *.safetensors); "
-            "export with harnessrl.model.export.export_hf and pass that folder"
+            "export with harnessrl.model.formats.export.export_hf and pass that folder"
         )
     return p
 

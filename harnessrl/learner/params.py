@@ -96,7 +96,7 @@ def place(tree: Any, shardings: Any) -> Any:
     """Host (or single-device) arrays → global sharded arrays; each process fills its own shards.
 
     An array that already has exactly this sharding (a model loaded under the learner's mesh,
-    `harnessrl.model.load`) is taken as it is: no copy, and no gather through the host, which a
+    `harnessrl.model.formats.load`) is taken as it is: no copy, and no gather through the host, which a
     multi-process array would not allow. Anything else, even a single-device array a 1-device
     mesh would cover, is copied: the steps donate their inputs and expect these very shardings.
     """

@@ -34,7 +34,7 @@ from harnessrl.learner.params import (
     place,
     split_model,
 )
-from harnessrl.model import export
+from harnessrl.model.formats import export
 
 
 def scan_unroll(cfg: LearnerConfig, model: nnx.Module) -> int | None:

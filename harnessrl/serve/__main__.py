@@ -36,7 +36,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ser
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    from harnessrl.model.load import load_policy
+    from harnessrl.model.formats.load import load_policy
     from harnessrl.serve.app import make_server
 
     try:

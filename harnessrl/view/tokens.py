@@ -33,7 +33,7 @@ def tokenizer_spec(spec: str, runs: str) -> str:
 
 def load_tokenizer(spec: str) -> Any:
     """The ChatTokenizer of a model spec, read from the tokenizer files only (no weights)."""
-    from harnessrl.model.load import TINY, gguf_tokenizer, smollm2_gguf_path
+    from harnessrl.model.formats.load import TINY, gguf_tokenizer, smollm2_gguf_path
     from harnessrl.model.tokenizer import ChatTokenizer
 
     path = smollm2_gguf_path() if spec in ("smollm2", TINY) else Path(spec)

@@ -30,7 +30,7 @@ from harnessrl.fleet.sidecar import SidecarProcess
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import make_mesh
 from harnessrl.learner.step import Learner
-from harnessrl.model.load import load_policy
+from harnessrl.model.formats.load import load_policy
 from harnessrl.rollout.coding import (
     CodingConfig,
     CodingEvaluator,

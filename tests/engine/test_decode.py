@@ -395,7 +395,7 @@ def test_smoke_model_served_logprobs_equal_learner_logprobs():
     What the loop's importance ratio sees: any gap beyond float32 reordering (a stale cache
     entry, a position off by one, a segment leaking into its neighbour) would bias every update.
     """
-    from harnessrl.model.load import load_policy
+    from harnessrl.model.formats.load import load_policy
 
     try:
         model, tokenizer = load_policy("tiny")
@@ -435,7 +435,7 @@ def test_smollm2_served_logprobs_equal_learner_logprobs():
     import torch
     from torch_reference import torch_causal_lm
 
-    from harnessrl.model.load import load_model
+    from harnessrl.model.formats.load import load_model
 
     loaded = load_model("smollm2")
     config = ServeConfig(
@@ -463,8 +463,8 @@ def test_smollm2_served_logprobs_equal_learner_logprobs():
 
 
 def _hf_tensors(loaded: Any) -> dict[str, np.ndarray]:
-    from harnessrl.model.export import params_numpy
-    from harnessrl.model.hf_import import hf_from_params
+    from harnessrl.model.formats.export import params_numpy
+    from harnessrl.model.formats.hf_import import hf_from_params
 
     return hf_from_params(loaded.config, params_numpy(loaded.model))
 

@@ -66,7 +66,7 @@ class Learner:
         self.model = model
 
     def export_hf(self, folder: Path, tokenizer: Any) -> Path:
-        from harnessrl.model.export import export_hf
+        from harnessrl.model.formats.export import export_hf
 
         return export_hf(self.model, folder)
 

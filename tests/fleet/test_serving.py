@@ -11,7 +11,7 @@ from flax import nnx
 from harnessrl.fleet.serving import RemoteServing
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
-from harnessrl.model.export import export_hf
+from harnessrl.model.formats.export import export_hf
 
 
 def test_remote_serving_exports_each_version_and_keeps_the_last_two(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from harnessrl.fleet import copy_model, served_tokenizer
-from harnessrl.model.load import load_policy
+from harnessrl.model.formats.load import load_policy
 from harnessrl.serve.app import start_server
 from harnessrl.traces import open_store
 from harnessrl.train import parse_args, start_capture

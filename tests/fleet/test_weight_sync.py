@@ -215,7 +215,7 @@ def test_embedded_server_serves_pushed_weights(tmp_path: Path) -> None:
     from harnessrl.fleet.serving import EmbeddedServing
     from harnessrl.model.config import ModelConfig
     from harnessrl.model.decoder import Decoder
-    from harnessrl.model.export import export_hf
+    from harnessrl.model.formats.export import export_hf
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 

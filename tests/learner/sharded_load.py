@@ -26,11 +26,11 @@ from gguf import GGUFReader
 
 from harnessrl.learner.mesh import logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.params import param_shardings, place, split_model
-from harnessrl.model import load
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
-from harnessrl.model.export import export_hf
-from harnessrl.model.gguf_import import read_metadata
+from harnessrl.model.formats import load
+from harnessrl.model.formats.export import export_hf
+from harnessrl.model.formats.gguf_import import read_metadata
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.tokenizer import ChatTokenizer
 

@@ -61,7 +61,7 @@ def _sequence_loglik(learner, batch, placements):
 
 
 def test_one_grpo_step_moves_likelihood_with_the_advantage_sign():
-    from harnessrl.model.load import load_model
+    from harnessrl.model.formats.load import load_model
 
     loaded = load_model("smollm2")
     learner = Learner(loaded.model, LearnerConfig(learning_rate=1e-5))

@@ -161,7 +161,7 @@ def test_layer_scan_unroll_is_automatic_on_cpu_and_does_not_change_the_gradient(
 
 
 def test_export_hf_round_trips_the_trained_weights(tmp_path):
-    from harnessrl.model.load import load_model
+    from harnessrl.model.formats.load import load_model
 
     learner = Learner(tiny_model(), LearnerConfig())
     learner.train_step(random_step(seed=9, count=8, buckets=SMALL))

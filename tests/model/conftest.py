@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from torch_reference import torch_causal_lm
 
-from harnessrl.model.hf_import import params_from_hf
-from harnessrl.model.load import Checkpoint, LoadedModel, build_decoder, read_checkpoint
+from harnessrl.model.formats.hf_import import params_from_hf
+from harnessrl.model.formats.load import Checkpoint, LoadedModel, build_decoder, read_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -286,8 +286,8 @@ def test_params_carry_logical_axes_and_shard_under_a_mesh() -> None:
             tokens = jnp.zeros((8, 6), jnp.int32)
             out = nnx.jit(lambda m, t: m(t, jnp.tile(jnp.arange(6), (8, 1))))(model, tokens)
             assert out.shape == (8, 6, 128)
-            from harnessrl.model.export import params_numpy
-            from harnessrl.model.load import build_decoder
+            from harnessrl.model.formats.export import params_numpy
+            from harnessrl.model.formats.load import build_decoder
             rebuilt = build_decoder(model.cfg, params_numpy(model))
             spec = rebuilt.layers.wq_ldhe[...].sharding.spec
             assert tuple(spec) == (None, "fsdp", "tensor", None), spec

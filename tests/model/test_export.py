@@ -17,9 +17,9 @@ from reference_bounds import assert_logits_match_reference
 
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
-from harnessrl.model.export import export_hf, params_numpy
-from harnessrl.model.gguf_import import unpermute_rope
-from harnessrl.model.load import LoadedModel, load_model
+from harnessrl.model.formats.export import export_hf, params_numpy
+from harnessrl.model.formats.gguf_import import unpermute_rope
+from harnessrl.model.formats.load import LoadedModel, load_model
 
 
 def _tiny(**kw: Any) -> Decoder:
@@ -137,7 +137,7 @@ def test_bad_specs_and_inputs_raise(tmp_path: Path) -> None:
 def test_missing_smollm2_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.metadata
 
-    from harnessrl.model import load
+    from harnessrl.model.formats import load
 
     def missing(name: str) -> Any:
         raise importlib.metadata.PackageNotFoundError(name)

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from harnessrl.benchmarks.model import qwen35_flops_per_token
-from harnessrl.model.load import QWEN35_SHAPES
+from harnessrl.model.formats.load import QWEN35_SHAPES
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 
 ROOT = Path(__file__).resolve().parents[2]

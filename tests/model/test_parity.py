@@ -19,9 +19,9 @@ from reference_bounds import assert_logits_match_reference
 
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder, KVCache
-from harnessrl.model.export import params_numpy
-from harnessrl.model.hf_import import hf_from_params
-from harnessrl.model.load import LoadedModel
+from harnessrl.model.formats.export import params_numpy
+from harnessrl.model.formats.hf_import import hf_from_params
+from harnessrl.model.formats.load import LoadedModel
 
 TINY = {
     "llama": {"rope_scaling": None},

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from harnessrl.benchmarks import prefill
-from harnessrl.model.load import QWEN35_SHAPES
+from harnessrl.model.formats.load import QWEN35_SHAPES
 from harnessrl.model.qwen3_5 import Qwen35Config
 
 FINAL = re.compile(

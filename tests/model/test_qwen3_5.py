@@ -28,7 +28,7 @@ from reference_bounds import (
 )
 from torch_reference import torch_causal_lm
 
-from harnessrl.model.export import export_hf, params_numpy
+from harnessrl.model.formats.export import export_hf, params_numpy
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.qwen3_5 import gated_deltanet as gdn
 from harnessrl.model.qwen3_5.hf import hf_from_params, params_from_hf, read_hf_folder
@@ -389,7 +389,7 @@ def test_decode_through_the_cache_equals_the_full_forward() -> None:
 
 
 def test_load_model_and_policy_specs_build_the_family(tmp_path: Path) -> None:
-    from harnessrl.model.load import load_model, load_policy
+    from harnessrl.model.formats.load import load_model, load_policy
 
     model = random_model("hybrid")
     loaded = load_model(export_hf(model, tmp_path / "export"))

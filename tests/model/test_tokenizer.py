@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import transformers
 
-from harnessrl.model.load import Checkpoint, gguf_tokenizer, smollm2_gguf_path
+from harnessrl.model.formats.load import Checkpoint, gguf_tokenizer, smollm2_gguf_path
 from harnessrl.model.tokenizer import ChatTokenizer
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [

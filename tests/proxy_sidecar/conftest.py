@@ -58,13 +58,13 @@ def embedded() -> Iterator[str]:
     """The embedded server `harnessrl.serve`, as `python -m harnessrl.train --smoke` runs it: a
     tiny random model around SmolLM2's tokenizer. Its own limits stay at their defaults except
     tokens per request, kept small so that a fuzzed request cannot decode for long."""
-    from harnessrl.model.load import smollm2_gguf_path
+    from harnessrl.model.formats.load import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
     except ValueError as err:
         pytest.skip(f"needs the shipped SmolLM2 model (its tokenizer): {err}")
-    from harnessrl.model.load import load_policy
+    from harnessrl.model.formats.load import load_policy
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from harnessrl.fleet.sidecar import free_port
-from harnessrl.model.load import load_policy
+from harnessrl.model.formats.load import load_policy
 from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 from harnessrl.traces import open_store

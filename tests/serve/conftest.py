@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2's tokenizer and chat template, read from the GGUF of the shipped model package."""
-    from harnessrl.model.load import gguf_tokenizer, smollm2_gguf_path
+    from harnessrl.model.formats.load import gguf_tokenizer, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from harnessrl.model.hf_import import read_safetensors
+from harnessrl.model.formats.hf_import import read_safetensors
 from harnessrl.model.qwen3_5.config import MODEL_TYPES, Qwen35Config
 
 Params = dict[str, Any]

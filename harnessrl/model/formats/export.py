@@ -19,8 +19,8 @@ from flax import nnx
 from safetensors.flax import save_file
 
 from harnessrl.model.decoder import Decoder
-from harnessrl.model.hf_import import hf_from_params
-from harnessrl.model.load import LoadedModel
+from harnessrl.model.formats.hf_import import hf_from_params
+from harnessrl.model.formats.load import LoadedModel
 from harnessrl.model.qwen3_5 import Qwen35Decoder
 from harnessrl.model.qwen3_5.hf import hf_from_params as qwen35_hf_from_params
 from harnessrl.model.tokenizer import ChatTokenizer

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from harnessrl.model.config import ModelConfig
 from harnessrl.model.decoder import Decoder
-from harnessrl.model.gguf_import import read_gguf, read_metadata
-from harnessrl.model.hf_import import Params, params_from_hf, read_hf_folder
+from harnessrl.model.formats.gguf_import import read_gguf, read_metadata
+from harnessrl.model.formats.hf_import import Params, params_from_hf, read_hf_folder
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.qwen3_5 import hf as qwen35_hf
 from harnessrl.model.sharding import context_rules, logical_to_spec, param_sharding

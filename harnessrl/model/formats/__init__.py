@@ -1,0 +1,1 @@
+"""Model stage, checkpoint formats: HF safetensors and GGUF in, HF safetensors out, model specs."""
