@@ -181,17 +181,43 @@ struct Job {
 // Tasks are claimed from a shared counter by the calling thread and by helpers scheduled on XLA's
 // intra-op pool. The caller waits only for tasks already claimed (they run on live threads), so
 // the call finishes even when no helper ever starts; a helper that starts late finds no task and
-// touches nothing but the state it co-owns. Tasks are several per thread, so a helper that wakes
-// late still takes a share.
-//
+// touches nothing but the state it co-owns. Each thread that claims a task takes a slot number
+// (0, 1, ...) for per-thread state, such as partial sums.
+struct Tasks {
+  int64_t tasks = 0;
+  std::atomic<int64_t> next{0}, done{0}, joined{0};
+};
+
+template <typename W>  // W: Tasks with run(task, slot)
+void drain(W& work) {
+  int64_t slot = -1;
+  for (int64_t t; (t = work.next.fetch_add(1)) < work.tasks;) {
+    if (slot < 0) slot = work.joined.fetch_add(1);
+    work.run(t, slot);
+    work.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename W>
+void run_tasks(ffi::ThreadPool& pool, const std::shared_ptr<W>& work) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  for (int64_t i = 1; i < std::min(threads, work->tasks); ++i)
+    pool.Schedule([work] { drain(*work); });
+  drain(*work);
+  while (work->done.load(std::memory_order_acquire) < work->tasks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 // Transposed (w [n, k]): task t computes output columns [t*span, (t+1)*span) into `out`.
 // Otherwise (w [k, n]): task t sums weight rows [t*span, (t+1)*span) into its thread's partial
 // [rows, n], and the caller adds the partials: every task streams one contiguous slab of weights.
-struct Work {
+struct Work : Tasks {
   Job job;
-  int64_t tasks = 0, span = 0;
+  int64_t span = 0;
   std::vector<float> partial;  // [threads, rows, n], zeroed; the k-split only
-  std::atomic<int64_t> next{0}, done{0}, joined{0};
 
   void run(int64_t t, int64_t slot) {
     const int64_t end = job.transposed ? job.n : job.k;
@@ -212,15 +238,6 @@ struct Work {
         else
           kn_chunk(x, static_cast<const float*>(job.w), acc, rows, job.k, job.n, i0, i1);
       }
-    }
-  }
-
-  void drain() {
-    int64_t slot = -1;  // this thread's partial, taken with its first task
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-      if (slot < 0) slot = joined.fetch_add(1);
-      run(t, slot);
-      done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -254,14 +271,7 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     work->tasks = (k + work->span - 1) / work->span;
     work->partial.assign(std::min(threads, work->tasks) * rows * n, 0.0f);
   }
-  const int64_t helpers = std::min(threads, work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->tasks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  run_tasks(pool, work);
   if (!transposed) {  // every partial that a thread joined is complete: its tasks are all done
     float* y = out->typed_data();
     const float* p = work->partial.data();
@@ -293,7 +303,8 @@ inline __attribute__((always_inline)) float dot(const float* a, const float* b, 
   return s;
 }
 
-void attend_slot(const AttentionJob& job, int64_t s, std::vector<float>& scores) {
+void attend_slot(const AttentionJob& job, int64_t s) {
+  thread_local std::vector<float> scores;
   const int64_t e = job.e, g = job.heads / job.kv_heads, row = job.kv_heads * e;
   float* out = job.out + s * job.heads * e;
   std::memset(out, 0, sizeof(float) * job.heads * e);
@@ -331,17 +342,9 @@ void attend_slot(const AttentionJob& job, int64_t s, std::vector<float>& scores)
     }
 }
 
-struct AttentionWork {
+struct AttentionWork : Tasks {
   AttentionJob job;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void drain() {
-    std::vector<float> scores;
-    for (int64_t s; (s = next.fetch_add(1)) < job.slots;) {
-      attend_slot(job, s, scores);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
+  void run(int64_t s, int64_t) { attend_slot(job, s); }
 };
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -366,14 +369,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   work->job = AttentionJob{q.typed_data(), k.typed_data() + l * layer_size,
                            v.typed_data() + l * layer_size, out->typed_data(),
                            positions.typed_data(), slots, max_len, heads, kd[3], e};
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), slots) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < slots) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  work->tasks = slots;
+  run_tasks(pool, work);
   return ffi::Error::Success();
 }
 

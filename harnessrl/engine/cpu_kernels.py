@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGET = "harnessrl_matvec"
 ATTENTION_TARGET = "harnessrl_decode_attention"
-MAX_ROWS = 8  # rows the kernel keeps in registers; more rows re-read the weights per group
 # Slots the engine sends through the kernels: beyond 8 rows the matmul re-reads each weight per
 # group of 8, and it still beat XLA's dots at 16 and 32 (docs/serve.md); larger is not measured.
 MAX_SLOTS = 32
@@ -79,6 +78,11 @@ def build(compiler: str, out_dir: Path) -> Path:
 
 
 @functools.cache
+def _built(compiler: str) -> Path:  # an engine per process, not a compiler query per engine
+    return build(compiler, cache_dir())
+
+
+@functools.cache
 def _register(library: Path) -> None:
     handlers = ctypes.cdll.LoadLibrary(str(library))
     for target, handler in (
@@ -103,7 +107,7 @@ def load(backend: str | None = None, compiler: str | None = None) -> bool:
         log.warning("decode matmuls: XLA dots (no C++ compiler found; set CXX to use the kernel)")
         return False
     try:
-        _register(build(compiler, cache_dir()))
+        _register(_built(compiler))
     except (OSError, RuntimeError) as err:
         log.warning("decode matmuls: XLA dots (the C++ kernel did not build: %s)", err)
         return False
