@@ -116,12 +116,17 @@ def side_by_side(
 
 
 def ours_step(model: Decoder | Qwen35Decoder, tokens: np.ndarray) -> Callable[[], object]:
-    """Forward+backward as the learner compiles it (its layer-scan unroll for this backend)."""
+    """Forward+backward as the learner compiles it (its layer-scan unroll and attention here)."""
     from harnessrl.learner.config import LearnerConfig
-    from harnessrl.learner.step import scan_unroll
+    from harnessrl.learner.losses import token_logprobs
+    from harnessrl.learner.mesh import make_mesh
+    from harnessrl.learner.step import scan_unroll, train_attention
 
+    learner_cfg = LearnerConfig()
     graphdef, params = nnx.split(model, nnx.Param)
-    unroll = scan_unroll(LearnerConfig(), model)
+    attention = train_attention(learner_cfg, model, make_mesh(learner_cfg.mesh))
+    call: dict[str, Any] = {} if attention is None else {"attention": attention}
+    unroll = scan_unroll(learner_cfg, model)
     if unroll is not None and unroll != model.cfg.scan_unroll:
         cfg, build = model.cfg.replace(scan_unroll=unroll), cast(Any, type(model))
         template = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
@@ -133,9 +138,10 @@ def ours_step(model: Decoder | Qwen35Decoder, tokens: np.ndarray) -> Callable[[]
     @jax.jit
     def grad_step(params: nnx.State) -> nnx.State:
         def loss(p: nnx.State) -> jax.Array:
-            logits_btv = nnx.merge(graphdef, p)(tokens_bt, positions_bt)
-            logp_btv = jax.nn.log_softmax(logits_btv[:, :-1], axis=-1)
-            return -jnp.mean(jnp.take_along_axis(logp_btv, tokens_bt[:, 1:, None], axis=-1))
+            logits_btv = nnx.merge(graphdef, p)(tokens_bt, positions_bt, **call)
+            # The learner's own log-likelihood (one exp over the vocabulary, its own VJP).
+            logp_bt, _ = token_logprobs(logits_btv, tokens_bt)
+            return -jnp.mean(logp_bt[:, 1:])
 
         return jax.grad(loss)(params)
 

@@ -26,6 +26,10 @@ class LearnerConfig:
     # program measured a 13% faster SmolLM2 step for a 1.3x longer compile; 1 on accelerators,
     # where deep models make compile time matter more (not measured there).
     scan_unroll: int | None = None
+    # Attention through the C++ CPU kernel (harnessrl.kernels.train_attention) where it applies:
+    # a one-device CPU mesh, float32 compute, a Llama/Qwen-style decoder with head_dim a multiple
+    # of 64. Elsewhere, and with False, XLA's attention.
+    cpu_attention: bool = True
     # Objective (see harnessrl.learner.losses).
     eps_low: float = 0.2
     eps_high: float = 0.28  # asymmetric "clip-higher" keeps low-probability tokens learnable

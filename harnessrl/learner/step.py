@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from harnessrl.data.pack import PackedBatch
+from harnessrl.kernels import train_attention as kernel_attention
 from harnessrl.learner import losses
 from harnessrl.learner.checkpoint import Checkpointer
 from harnessrl.learner.config import LearnerConfig
@@ -34,6 +35,7 @@ from harnessrl.learner.params import (
     place,
     split_model,
 )
+from harnessrl.model.decoder import Decoder, SegmentAttention
 from harnessrl.model.formats import export
 
 
@@ -52,6 +54,20 @@ def scan_unroll(cfg: LearnerConfig, model: nnx.Module) -> int | None:
     return layers if jax.default_backend() == "cpu" else 1
 
 
+def train_attention(cfg: LearnerConfig, model: nnx.Module, mesh: Mesh) -> SegmentAttention | None:
+    """The CPU attention kernel where it applies to this model and mesh, else None (XLA's).
+
+    One device only: the kernel is an opaque custom call, which XLA's partitioner would run on
+    gathered, replicated operands rather than on each device's rows.
+    """
+    if not cfg.cpu_attention or not isinstance(model, Decoder) or mesh.devices.size != 1:
+        return None
+    platform = mesh.devices.flat[0].platform
+    if not kernel_attention.usable(model.cfg.head_dim, cfg.compute_dtype, platform):
+        return None
+    return kernel_attention.segment_attention
+
+
 class Learner:
     """Owns the mesh, the sharded train state and the compiled programs of one policy."""
 
@@ -66,6 +82,7 @@ class Learner:
         if not isinstance(cfg, LearnerConfig):
             raise TypeError(f"cfg must be a LearnerConfig, got {type(cfg).__name__}")
         self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+        self.attention = train_attention(cfg, model, self.mesh)
         self.parts, params = split_model(
             model, cfg.compute_dtype, cfg.param_dtype, cfg.remat, scan_unroll(cfg, model)
         )
@@ -129,7 +146,11 @@ class Learner:
 
     def _logits(self, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
         model = self.parts.merge(params)
-        return model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        if self.attention is None:  # other model families take no `attention`
+            return model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        return model(
+            batch["tokens"], batch["positions"], batch["segment_ids"], attention=self.attention
+        )
 
     def _micro_step(
         self, params: Any, ref_params: Any, grads: Any, sums: Any, batch: Any

@@ -163,6 +163,19 @@ class DecodeKernels(NamedTuple):
     attention: Callable[..., jax.Array]
 
 
+# `attention(q_bthe, k_btke, v_btke, segment_ids_bt)` → `[b, t, heads, head_dim]`: each query over
+# the keys at or before it in its own segment, grouped-query heads as `attention.attend` reads
+# them. The learner passes its CPU kernel (harnessrl.kernels.train_attention) where it applies.
+SegmentAttention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def masked_attention(segment_ids_bt: jax.Array) -> SegmentAttention:
+    """`SegmentAttention` as XLA ops: `attention.attend` over the causal mask within segments."""
+    mask_btt = attn.segment_causal_mask(segment_ids_bt)
+    blocks = attn.causal_query_blocks(segment_ids_bt.shape[1])
+    return lambda q, k, v, _: attn.attend(q, k, v, mask_btt, causal_blocks=blocks)
+
+
 # `project(x, name)`: x contracted with the layer's weight `name` over its input axes.
 Project = Callable[[jax.Array, str], jax.Array]
 PROJECTIONS = ("wq_ldhe", "wk_ldke", "wv_ldke", "wo_lhed", "w_gate_ldf", "w_up_ldf", "w_down_lfd")
@@ -256,19 +269,25 @@ class Decoder(nnx.Module):
             self.lm_head_dv = nnx.data(head)
 
     def __call__(
-        self, tokens_bt: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None = None
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        segment_ids_bt: jax.Array | None = None,
+        *,
+        attention: SegmentAttention | None = None,
     ) -> jax.Array:
+        """Logits `[b, t, vocab]`. `attention`, where a runtime has a faster equal of it, replaces
+        `attention.attend` over the causal mask within segments (see `SegmentAttention`)."""
         cfg = self.cfg
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
-        mask_btt = attn.segment_causal_mask(segment_ids_bt)
         cos_bte, sin_bte = attn.rope_tables(positions_bt, attn.rope_inv_freq(cfg))
-        blocks = attn.causal_query_blocks(tokens_bt.shape[1])
+        attend = attention or masked_attention(segment_ids_bt)
 
         def layer(x_btd: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
             h_btd = attn.rms_norm(x_btd, w["attn_norm_ld"], cfg.rms_norm_eps).astype(x_btd.dtype)
             q_bthe, k_btke, v_btke = qkv(cfg, w, h_btd, cos_bte, sin_bte)
-            o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_btt, causal_blocks=blocks)
+            o_bthe = attend(q_bthe, k_btke, v_btke, segment_ids_bt).astype(x_btd.dtype)
             return block_tail(cfg, w, x_btd, o_bthe), None
 
         if cfg.remat:
