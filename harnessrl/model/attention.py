@@ -65,8 +65,14 @@ def apply_rope(x_bthe: jax.Array, cos_bte: jax.Array, sin_bte: jax.Array) -> jax
     """Rotate pairs (i, i + head_dim/2) by the position angle; computed in (at least) float32."""
     x32 = x_bthe.astype(jnp.promote_types(x_bthe.dtype, jnp.float32))
     half = x32.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos_bte[:, :, None, :] + rotated * sin_bte[:, :, None, :]
+    first, second = x32[..., :half], x32[..., half:]
+    # The tables repeat their first half (HF's layout), so each output half reads one half of
+    # them: the same products as `x * cos + rotate_half(x) * sin`, without materializing the
+    # rotated copy (its concatenate cost XLA:CPU a separate pass, forward and backward).
+    cos_bt1e, sin_bt1e = cos_bte[:, :, None, :half], sin_bte[:, :, None, :half]
+    out = jnp.concatenate(
+        [first * cos_bt1e - second * sin_bt1e, second * cos_bt1e + first * sin_bt1e], axis=-1
+    )
     return out.astype(x_bthe.dtype)
 
 

@@ -65,8 +65,12 @@ def test_model_imports_nothing_above_it_and_learner_only_model():
         assert _harnessrl_imports(path) <= {"model"}, path.name
     # cli: the one config loader (its type checks read the slice recipes); it imports no stage.
     assert _harnessrl_imports(PACKAGE_DIR / "cli.py") == set()
+    # kernels: C++ kernels and their build, a leaf that imports no stage.
+    for path in (PACKAGE_DIR / "kernels").glob("*.py"):
+        assert _harnessrl_imports(path) <= {"kernels"}, path.name
     for path in (PACKAGE_DIR / "learner").glob("*.py"):
-        assert _harnessrl_imports(path) <= {"learner", "model", "data", "cli"}, path.name
+        allowed = {"learner", "model", "data", "cli", "kernels"}
+        assert _harnessrl_imports(path) <= allowed, path.name
 
 
 def test_rules_table_has_unique_keys_and_covers_every_model_name():
