@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harnessrl.benchmarks.model import flops_per_token, torch_reference
+from harnessrl.benchmarks.model import flops_per_token, settle, torch_reference
 from harnessrl.data.pack import PackedBatch
 from harnessrl.host_memory import keep_freed_memory
 from harnessrl.learner.config import LearnerConfig
@@ -209,11 +209,7 @@ def time_variant(
     start = time.perf_counter()
     learner.train_step(micro)  # compile + first step
     compile_s = time.perf_counter() - start
-    # One untimed round of each side after the other: with both runtimes in one process, the
-    # first rounds still grow the shared heap (page faults) before it settles, as in training.
-    learner.train_step(micro)
-    if torch_step is not None:
-        torch_step()
+    settle(lambda: learner.train_step(micro), torch_step)
     n = batch["tokens"].size
     rates, fractions, torch_rates = [], [], []
     for _ in range(steps):
