@@ -95,24 +95,23 @@ def qwen35_flops_per_token(cfg: Qwen35Config, length: int) -> float:
     )  # fmt: skip
 
 
-def settle(ours: Callable[[], object], theirs: Callable[[], object] | None) -> int:
+def settle(ours: Callable[[], object], theirs: Callable[[], object] | None) -> None:
     """Untimed rounds of both steps, one after the other, until ours stops faulting in new pages.
 
     With both runtimes in one process and one heap (`keep_freed_memory`), each side's
     allocations land in the other's freed blocks at first, so for a few rounds XLA's per-step
     block no longer fits and the heap grows, page faults and all (measured: 3 rounds, 0.1-0.4
     million faults and 1.4-4.5 s of system time each). Training runs no second runtime; timing
-    starts once the heap has settled. Returns the rounds run.
+    starts once the heap has settled.
     """
-    for rounds in range(1, SETTLE_ROUNDS + 1):
+    for _ in range(SETTLE_ROUNDS):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         ours()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         if theirs is not None:
             theirs()
         if faults < SETTLED_FAULTS:
-            return rounds
-    return SETTLE_ROUNDS
+            return
 
 
 def timed(step: Callable[[], object]) -> float:

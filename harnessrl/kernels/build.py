@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "decode.cc", HERE / "train_attention.cc")
-HEADERS = (HERE / "task_runner.h",)
+HEADERS = (HERE / "task_runner.h", HERE / "vectors.h")
 # FFI target name → the handler symbol the library exports.
 TARGETS = {
     "harnessrl_matvec": "HarnessrlMatVec",

@@ -26,27 +26,22 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "task_runner.h"
+#include "vectors.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;      // float32 lanes of one vector
 constexpr int kMaxRows = 8;     // rows kept in registers at once
 constexpr int kStep = 4;        // weight rows read together (a multiple of two)
 constexpr int kMinSlab = 32;    // fewest weight rows worth a task of their own
 constexpr int kSlabsPerThread = 4;  // slabs per thread: a helper that wakes late still takes some
 constexpr int kRowChunk = 256;  // weight rows one task of the transposed kernel reads
 
-typedef float f32v __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
 
-inline __attribute__((always_inline)) f32v load(const float* p) {
-  f32v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+using ::load;  // vectors.h's float32 overload beside this bfloat16 one
 
 inline __attribute__((always_inline)) f32v load(const uint16_t* p) {
 #if defined(__AVX512F__)

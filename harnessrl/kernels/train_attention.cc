@@ -23,25 +23,15 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "task_runner.h"
+#include "vectors.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;      // float32 lanes of one vector
 constexpr int kRows = 6;        // query rows (query position, head) computed together
 constexpr int kChunk = 4;       // vectors of head_dim held per row: 6 x 4 accumulators + 4 loads
 constexpr int kPositions = 32;  // query positions per forward task
-
-typedef float f32v __attribute__((vector_size(kLanes * 4)));
-
-inline __attribute__((always_inline)) f32v load(const float* p) {
-  f32v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline __attribute__((always_inline)) void store(float* p, f32v v) { std::memcpy(p, &v, sizeof v); }
 
 typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
 
@@ -272,7 +262,6 @@ struct ForwardWork : Tasks {
     const int64_t p0 = task % tiles * kPositions, p1 = std::min(s.t, p0 + kPositions);
     const int64_t hs = s.heads * s.e, ks = s.kv_heads * s.e;  // strides of one position
     const float* q = in.q + row * s.t * hs;
-    const float* k = in.k + row * s.t * ks + kv * s.e;
     const float* v = in.v + row * s.t * ks + kv * s.e;
     const int32_t* seg = in.seg + row * s.t;
     const int32_t* fst = first.data() + row * s.t;
