@@ -36,9 +36,13 @@ def smoke_env(xla_cache_env: dict[str, str]) -> dict[str, str]:
 
 
 def _train(
-    out: Path, env: dict[str, str], *args: str, timeout: float = 900
+    out: Path,
+    env: dict[str, str],
+    *args: str,
+    timeout: float = 900,
+    module: str = "harnessrl.train",
 ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "harnessrl.train", "--smoke", f"run.out_dir={out}", *args]
+    argv = [sys.executable, "-m", module, "--smoke", f"run.out_dir={out}", *args]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -181,6 +185,9 @@ def test_async_smoke_drops_stale_runs_and_trains_on_the_rewards_harnesses_posted
         "run.export_hf=false",
         f"rollout.harness={harness}",
         "rollout.evaluator=tests.rollout.user_rewards:per_call",
+        # Step 1's update waits for a call of step 2's runs, which policy 0 then serves: without
+        # the wait, a fast update swaps weights before any harness has started.
+        module="tests.rollout.gated_train",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert FINAL.match(proc.stdout.strip().splitlines()[-1])
