@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import pytest
+from jax._src import compilation_cache
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +29,22 @@ def xla_cache_env(xla_cache_dir: Path) -> dict[str, str]:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def in_process_xla_cache(xla_cache_dir: Path) -> Iterator[Path]:
+    """This process compiles through the session's cache too: tests build many engines and
+    learners of the same tiny shapes, each a new `jax.jit` that would compile anew; an identical
+    program now compiles once per session and later tests load it."""
+    options = {
+        "jax_compilation_cache_dir": str(xla_cache_dir),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    previous = {name: getattr(jax.config, name) for name in options}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    yield xla_cache_dir
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()

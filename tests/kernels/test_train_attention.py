@@ -78,7 +78,7 @@ def segments(draw, rows: int, length: int) -> np.ndarray:
     return out
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     data=st.data(),
     rows=st.integers(1, 2),

@@ -1,41 +1,16 @@
-"""Learner tests share the session's persistent XLA compilation cache (`xla_cache_dir`).
-
-The tiny model's programs are identical across tests and across the subprocesses that the
-multi-device, multi-process and kill-and-resume tests start, so each compiles once per session
-instead of once per Learner. In this process the cache is switched off again when the learner
-tests finish.
-"""
+"""Learner tests: scripts run in fresh interpreters that share the session's XLA cache."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import jax
 import pytest
-from jax._src import compilation_cache
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-CACHE_OPTIONS = {
-    "jax_compilation_cache_dir": None,  # filled per session
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def in_process_xla_cache(xla_cache_dir: Path) -> Iterator[Path]:
-    previous = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": str(xla_cache_dir)}.items():
-        jax.config.update(name, value)
-    yield xla_cache_dir
-    for name, value in previous.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
 
 
 @pytest.fixture
