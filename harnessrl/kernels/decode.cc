@@ -33,7 +33,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kMaxRows = 8;     // rows kept in registers at once
-constexpr int kStep = 4;        // weight rows read together (a multiple of two)
 constexpr int kMinSlab = 32;    // fewest weight rows worth a task of their own
 constexpr int kSlabsPerThread = 4;  // slabs per thread: a helper that wakes late still takes some
 constexpr int kRowChunk = 256;  // weight rows one task of the transposed kernel reads
@@ -72,34 +71,42 @@ inline __attribute__((always_inline)) float sum(f32v v) {
   return s;
 }
 
-// acc[:, :] += x[:, d0:d1] @ w[d0:d1, :] for w [k, n], R rows, acc [R, n]: the weight rows of
-// the slab are read front to back, two at a time, so the stream is sequential and each weight byte
-// is loaded once; the activations of those two rows wait in registers, the sums in L1/L2.
+// acc[:, c0:c0+C*kLanes] += x[:, d0:d1] @ w[d0:d1, c0:c0+C*kLanes] for w [k, n], R rows: the sums
+// of the R rows x C vectors of columns stay in registers while the slab's weight rows go by, one
+// row segment (a cache line of bfloat16 weights at C = 2) and R broadcast activations per step.
+template <int R, int C, typename W>
+inline __attribute__((always_inline)) void kn_block(const float* x, const W* w, float* acc,
+                                                   int64_t k, int64_t n, int64_t c0, int64_t d0,
+                                                   int64_t d1) {
+  f32v sums[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) sums[r][j] = load(acc + r * n + c0 + j * kLanes);
+  for (int64_t d = d0; d < d1; ++d) {
+    const W* row = w + d * n + c0;
+    f32v wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = load(row + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * k + d];
+      for (int j = 0; j < C; ++j) sums[r][j] += xr * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) std::memcpy(acc + r * n + c0 + j * kLanes, &sums[r][j], sizeof(f32v));
+}
+
+// acc[:, :] += x[:, d0:d1] @ w[d0:d1, :] for w [k, n], R rows. Column blocks of two vectors, each
+// summed over the slab's weight rows in registers (a running sum per row in memory would cost a
+// load and a store per product, from L2 once R x n floats outgrow L1), then one vector, then
+// single columns. Each sum adds its products in weight-row order, as the float32 XLA dot would.
 template <int R, typename W>
 inline __attribute__((always_inline)) void kn_rows(const float* x, const W* w, float* acc,
                                                   int64_t k, int64_t n, int64_t d0, int64_t d1) {
-  const int64_t vec_end = n / kLanes * kLanes;
-  const f32v zero = {};
-  int64_t d = d0;
-  for (; d + kStep <= d1; d += kStep) {
-    const W* w0 = w + d * n;
-    for (int64_t c = 0; c < vec_end; c += kLanes) {
-      f32v wv[kStep];
-      for (int j = 0; j < kStep; ++j) wv[j] = load(w0 + j * n + c);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * k + d;
-        f32v s = load(acc + r * n + c);
-        for (int j = 0; j < kStep; ++j) s += xr[j] * wv[j];
-        std::memcpy(acc + r * n + c, &s, sizeof s);
-      }
-    }
-    for (int64_t c = vec_end; c < n; ++c)
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < kStep; ++j) acc[r * n + c] += x[r * k + d + j] * scalar(w0[j * n + c]);
-  }
-  for (; d < d1; ++d)  // the last rows, fewer than kStep
-    for (int64_t c = 0; c < n; ++c)
-      for (int r = 0; r < R; ++r) acc[r * n + c] += x[r * k + d] * scalar(w[d * n + c]);
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= n; c += 2 * kLanes) kn_block<R, 2>(x, w, acc, k, n, c, d0, d1);
+  for (; c + kLanes <= n; c += kLanes) kn_block<R, 1>(x, w, acc, k, n, c, d0, d1);
+  for (; c < n; ++c)
+    for (int r = 0; r < R; ++r)
+      for (int64_t d = d0; d < d1; ++d) acc[r * n + c] += x[r * k + d] * scalar(w[d * n + c]);
 }
 
 // out[:, j0:j1] = x @ w[j0:j1, :]^T for w [n, k], R rows: each weight row is a dot product with
@@ -228,9 +235,9 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   if (transposed) {
     work->span = kRowChunk;
     work->tasks = (n + kRowChunk - 1) / kRowChunk;
-  } else {  // slabs of a multiple of kStep rows, a few per thread
+  } else {  // slabs of weight rows, a few per thread
     const int64_t slab = (k + threads * kSlabsPerThread - 1) / (threads * kSlabsPerThread);
-    work->span = std::max<int64_t>(kMinSlab, (slab + kStep - 1) / kStep * kStep);
+    work->span = std::max<int64_t>(kMinSlab, slab);
     work->tasks = (k + work->span - 1) / work->span;
     work->partial.assign(std::min(threads, work->tasks) * rows * n, 0.0f);
   }
