@@ -2,6 +2,8 @@
 
 Sequences (one per choice) share a fixed set of KV-cache slots. Prompts are prefilled in chunks
 whose lengths come from a small bucket set; one decode step advances every active slot at once.
+A free slot keeps what its last sequence left in the cache: a prompt that starts with at least a
+largest chunk of it prefills only the rest (prefix caching; forgotten when the weights change).
 Every device program has a static shape, so after `warm_up()` nothing compiles again
 (`compile_count` counts traces). The loop runs on its own thread; params swap between steps.
 """
@@ -72,7 +74,11 @@ class _Seq:
     prefilled: int = 0
     generated: int = 0
     last_token: int = 0
+    sampled: list[int] = field(default_factory=list)  # tokens so far (a held prefix, later)
     done: bool = False
+
+
+_NOTHING = np.zeros(0, np.int32)
 
 
 def _raw_key(seed: int) -> np.ndarray:
@@ -103,6 +109,9 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._slots: list[_Seq | None] = [None] * config.num_slots
+        # What each free slot's cache still holds at positions 0..: the tokens of the sequence
+        # that finished there (prefix caching; empty once the slot or the weights change).
+        self._held: list[np.ndarray] = [_NOTHING] * config.num_slots
         self._cancelled: list[_Seq] = []
         self._seeds = itertools.count(config.seed << 20)
         self._stopping = False
@@ -144,7 +153,7 @@ class Engine:
         applied = self._swap.stage(params, version)
         with self._cond:
             if self._thread is None:  # not serving yet: nothing runs that a swap could race
-                self._swap.apply_if_pending()
+                self._apply_swap()
             self._cond.notify_all()
         if wait:
             applied.wait()
@@ -219,7 +228,7 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     break
-                self._swap.apply_if_pending()
+                self._apply_swap()
                 cancelled, self._cancelled = self._cancelled, []
                 for seq in cancelled:
                     self._finish(seq)
@@ -235,6 +244,13 @@ class Engine:
             self._waiting.clear()
         self._abort(seqs, "abort", "the engine stopped")
 
+    def _apply_swap(self) -> None:
+        if self._swap.apply_if_pending():  # held prefixes are keys and values of the old weights
+            self._forget_held()
+
+    def _forget_held(self) -> None:
+        self._held = [_NOTHING] * len(self._slots)
+
     def _busy(self) -> bool:
         return any(seq is not None for seq in self._slots)
 
@@ -247,8 +263,32 @@ class Engine:
             if not free:
                 return
             seq = self._waiting.popleft()
-            seq.slot = free[0]
-            self._slots[seq.slot] = seq
+            self._place(seq, free)
+
+    def _place(self, seq: _Seq, free: list[int]) -> None:
+        """Into the free slot holding the longest prefix of its prompt, or, with none worth
+        resuming, into the one holding least (so held prefixes last)."""
+        prompt = seq.request.prompt
+
+        def held_prefix(slot: int) -> int:
+            held = self._held[slot]
+            n = min(len(held), len(prompt) - 1)  # the last prompt token runs: its logits sample
+            differ = np.flatnonzero(held[:n] != prompt[:n])
+            return int(differ[0]) if differ.size else n
+
+        reuse = {slot: held_prefix(slot) for slot in free} if self.steps.resumes_prefixes else {}
+        best = max(free, key=lambda slot: reuse.get(slot, 0))
+        # A resumed prompt prefills its rest alone, and prompts that arrive together are packed
+        # into one call and start decoding together: a short prefix saves less than leaving the
+        # pack costs (a benchmark with a shared 24-token system prompt lost a sixth of its
+        # rate). So only a prefix of a whole largest chunk or more is resumed.
+        if reuse.get(best, 0) < self.steps.config.prefill_buckets[-1]:
+            best = min(free, key=lambda slot: len(self._held[slot]))
+        else:
+            seq.prefilled = reuse[best]
+        seq.slot = best
+        self._slots[best] = seq
+        self._held[best] = _NOTHING
 
     def _abort(self, seqs: list[_Seq], reason: str, message: str) -> None:
         """End `seqs` without a token; each request hears once, with all its choices at once."""
@@ -272,6 +312,7 @@ class Engine:
         log.error("engine step failed for %d request(s): %r", len(requests), err)
         if self.steps.cache_lost():
             self.steps.reset_cache()
+            self._forget_held()
             lost = self._seqs_of(self._running())
             return self._abort(lost, "abort", f"the engine lost its cache: {err}")
         reason = "error" if len(requests) == 1 else "abort"
@@ -284,8 +325,9 @@ class Engine:
     def _seqs_of(requests: list[_Request]) -> list[_Seq]:
         return [seq for request in requests for seq in request.seqs]
 
-    def _finish(self, seq: _Seq) -> None:
-        """Release a sequence's slot."""
+    def _finish(self, seq: _Seq, held: bool = False) -> None:
+        """Release a sequence's slot; with `held` (it ended normally), remember what its cache
+        holds: the prompt and every sampled token but the last, which no step has fed."""
         if seq.done:
             return
         seq.done = True
@@ -293,6 +335,9 @@ class Engine:
             self._slots[seq.slot] = None
             if seq.request.source_slot == seq.slot:
                 seq.request.source_slot = -1
+            if held and self.steps.resumes_prefixes:
+                tokens = np.asarray(seq.sampled[:-1], np.int32)
+                self._held[seq.slot] = np.concatenate([seq.request.prompt, tokens])
 
     def _prefill_one(self) -> None:
         """One prefill step: a copy from a sibling, whole prompts packed into one chunk, or the
@@ -388,6 +433,7 @@ class Engine:
             request, params = seq.request, seq.request.params
             seq.generated += 1
             seq.last_token = token
+            seq.sampled.append(token)
             reason, stop = None, None
             if token in request.eos:
                 reason = "stop"
@@ -401,6 +447,6 @@ class Engine:
             by_request.setdefault(id(request), []).append(event)
             sinks[id(request)] = request.sink
             if reason is not None:
-                self._finish(seq)
+                self._finish(seq, held=True)
         for key, events in by_request.items():
             _deliver(sinks[key], events)

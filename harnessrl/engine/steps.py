@@ -48,6 +48,8 @@ class EngineConfig(Protocol):
     def weight_dtype(self) -> str: ...  # float32 | bfloat16 (held as bits, see model.bf16_bits)
     @property
     def cpu_kernels(self) -> bool: ...  # decode steps through engine.cpu_kernels where they run
+    @property
+    def prefix_caching(self) -> bool: ...  # prompts start from what a free slot still holds
 
 
 class DeviceSteps:
@@ -78,6 +80,8 @@ class DeviceSteps:
         # A recurrent state holds its slot's latest token, not the prompt's end: a sibling
         # choice copied from it later would start mid-answer, so each choice prefills instead.
         self.copies_prompts = self._cache_type is KVCache
+        # For the same reason only a KV cache can be resumed after a held prefix.
+        self.resumes_prefixes = self.copies_prompts and config.prefix_caching
         # First chunks of several prompts go through one packed call (`Decoder.prefill_packed`);
         # a recurrent state cannot restart mid-row, so Qwen3.5 prefills one prompt at a time, and
         # so does a Decoder subclass that overrides `decode`: it is served through its own.
@@ -281,7 +285,8 @@ class DeviceSteps:
         """Write the next chunk of `prompt` (from `start`) into `slot`; → (new start, last logits).
 
         A first chunk is padded to a bucket and attends over itself only; a continuation (prompts
-        longer than the largest bucket) takes the largest bucket and attends over the whole row.
+        longer than the largest bucket, or the rest after a held prefix) attends over the whole
+        row, in the largest bucket, or, where prefixes resume, the smallest that holds the rest.
         """
         if start == 0 and self.packs_prompts:  # a pack of one: the same programs as any pack
             head = prompt[: self.config.prefill_buckets[-1]]
@@ -290,7 +295,7 @@ class DeviceSteps:
         if start == 0:
             size = length = self.bucket(len(prompt))
         else:
-            size, length = self.config.prefill_buckets[-1], self.config.max_model_len
+            size, length = self._continuation(len(prompt) - start), self.config.max_model_len
         real = min(size, len(prompt) - start)
         tokens = np.zeros(size, np.int32)
         tokens[:real] = prompt[start : start + real]
@@ -300,6 +305,11 @@ class DeviceSteps:
             length, self.state, self.cache, np.int32(slot), tokens, positions, np.int32(real - 1)
         )
         return start + real, (logits_nv, 0)
+
+    def _continuation(self, remaining: int) -> int:
+        if self.resumes_prefixes:
+            return self.bucket(remaining)
+        return self.config.prefill_buckets[-1]
 
     def pack_size(self, prompt_len: int) -> int | None:
         """The bucket a packed first chunk of this length needs, or None if it must be chunked."""
@@ -349,8 +359,10 @@ class DeviceSteps:
             else:
                 _, logits = self.prefill_chunk(0, np.zeros(size, np.int32), 0)
         largest = self.config.prefill_buckets[-1]
-        if largest < self.config.max_model_len:  # continuation chunks exist
-            _, logits = self.prefill_chunk(0, np.zeros(largest + 1, np.int32), largest)
+        sizes = self.config.prefill_buckets if self.resumes_prefixes else (largest,)
+        for size in sizes:  # continuation chunks: after a held prefix, or past the largest bucket
+            if size < self.config.max_model_len:
+                _, logits = self.prefill_chunk(0, np.zeros(size + 1, np.int32), 1)
         assert logits is not None
         self.sample_first(logits, SamplingParams(), np.zeros(2, np.uint32), 0)
         self.copy_slot(0, 0)

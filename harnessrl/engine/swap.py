@@ -90,13 +90,14 @@ class ParamSwap:
             self._staged = (state, version, applied)
         return applied
 
-    def apply_if_pending(self) -> None:
-        """Called by the engine between steps: install the staged params, if any."""
+    def apply_if_pending(self) -> bool:
+        """Called by the engine between steps: install the staged params, if any (→ whether)."""
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is not None:
             self._holder.state, self._version = staged[0], staged[1]
             staged[2].set()
+        return staged is not None
 
 
 def load_params(path: str) -> nnx.State:

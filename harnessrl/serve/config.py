@@ -56,6 +56,10 @@ class ServeConfig:
     # num_slots <= 32, float32 compute, a C++ compiler); elsewhere, or off, XLA's ops. Same float32
     # arithmetic up to summation order.
     cpu_kernels: bool = True
+    # A prompt that starts with what a free slot still holds (a finished sequence's prompt and
+    # tokens, kept until the slot is reused or the weights change) prefills only the rest, when
+    # that prefix fills the largest prefill bucket or more: agent turns resend their history.
+    prefix_caching: bool = True
     warmup: bool = True  # compile every serving program before accepting requests
     log_level: str = "warning"  # uvicorn log level
 

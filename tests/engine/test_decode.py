@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -477,3 +478,49 @@ def _segments(batch: PackedBatch) -> list[tuple[int, np.ndarray]]:
         for seg in np.unique(batch.segment_ids[row])
         if seg > 0
     ]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_an_agent_turn_resumes_from_what_its_last_turn_left_in_the_cache(prefix_caching: bool):
+    """Turn 2 resends turn 1's prompt and reply: it prefills only its new tokens in the slot turn 1
+    left, and its logprobs still equal the learner's; new weights forget every held prefix."""
+    model = _model(0)
+    engine = Engine(model, [EOS], dataclasses.replace(CONFIG, prefix_caching=prefix_caching))
+    engine.warm_up()
+    compiles = engine.compile_count
+    starts: list[int] = []  # where each prefill chunk of a prompt began
+    chunk = engine.steps.prefill_chunk
+
+    def recording(slot, prompt, start):
+        starts.append(start)
+        return chunk(slot, prompt, start)
+
+    engine.steps.prefill_chunk = recording
+    engine.start()
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        turn1 = np.random.default_rng(5).integers(0, EOS, size=20).tolist()
+        reply = [e.token for e in generate(engine, turn1, greedy, 6)[0]]
+        turn2 = turn1 + reply + [7, 8, 9]
+        starts.clear()
+        events = generate(engine, turn2, greedy, 6)[0]
+        # Held: turn 1's prompt and every reply token but the last (never fed to a step). Without
+        # it, the 29 tokens take the largest bucket (16) and a continuation.
+        assert starts == ([20 + 5] if prefix_caching else [0, 16])
+        tokens = [e.token for e in events]
+        reference, scale = _reference_logprobs(model, turn2, tokens)
+        tol = logprob_reorder_tolerance(model.cfg, scale, CONFIG.max_model_len)
+        assert np.max(np.abs(np.array([e.logprob for e in events]) - reference)) <= tol
+
+        swapped = _model(1)
+        engine.swap_params(nnx.state(swapped, nnx.Param), 1)
+        starts.clear()
+        events = generate(engine, turn2, greedy, 4)[0]
+        assert starts == [0, 16]  # the held keys and values were the old weights'
+        tokens = [e.token for e in events]
+        reference, scale = _reference_logprobs(swapped, turn2, tokens)
+        tol = logprob_reorder_tolerance(swapped.cfg, scale, CONFIG.max_model_len)
+        assert np.max(np.abs(np.array([e.logprob for e in events]) - reference)) <= tol
+        assert engine.compile_count == compiles
+    finally:
+        engine.stop()

@@ -84,6 +84,9 @@ def server(smol_tokenizer):
         max_model_len=448,
         prefill_buckets=(32, 256),
         decode_buckets=(128, 448),
+        # Repeated prompts here compare bitwise: a prompt resumed after a held prefix runs
+        # another prefill program, equal only up to float32 rounding (tests/engine covers it).
+        prefix_caching=False,
     )
     handle = start_server(model, tok, config, params_loader=loader)
     yield handle
