@@ -337,7 +337,10 @@ def test_real_vllm_reload_switches_greedy_outputs(tmp_path: Path) -> None:
         assert out_b != out_a  # the new weights answer differently ...
         assert out_a2 == out_a and out_b2 == out_b  # ... and outputs follow whichever was pushed
         assert httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "3"
-        print(f"vllm weight sync: reload {sync.last_push_s:.2f}s; A={out_a[0]!r} B={out_b[0]!r}")
+        assert set(sync.last_push_s) == {url}  # seconds per replica of the last push
+        print(
+            f"vllm weight sync: reload {sync.last_push_s[url]:.2f}s; A={out_a[0]!r} B={out_b[0]!r}"
+        )
     finally:
         proc.terminate()
         try:
