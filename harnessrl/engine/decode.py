@@ -72,10 +72,16 @@ class _Seq:
     key: np.ndarray  # uint32 [2], raw threefry key
     slot: int = -1
     prefilled: int = 0
-    generated: int = 0
-    last_token: int = 0
     sampled: list[int] = field(default_factory=list)  # tokens so far (a held prefix, later)
     done: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.sampled)
+
+    @property
+    def last_token(self) -> int:
+        return self.sampled[-1]
 
 
 _NOTHING = np.zeros(0, np.int32)
@@ -431,8 +437,6 @@ class Engine:
         sinks: dict[int, Sink] = {}
         for seq, token, logprob, top_ids, top_lps in rows:
             request, params = seq.request, seq.request.params
-            seq.generated += 1
-            seq.last_token = token
             seq.sampled.append(token)
             reason, stop = None, None
             if token in request.eos:

@@ -358,9 +358,8 @@ class DeviceSteps:
                 (logits,) = self.prefill_packed([(0, np.zeros(size, np.int32))])
             else:
                 _, logits = self.prefill_chunk(0, np.zeros(size, np.int32), 0)
-        largest = self.config.prefill_buckets[-1]
-        sizes = self.config.prefill_buckets if self.resumes_prefixes else (largest,)
-        for size in sizes:  # continuation chunks: after a held prefix, or past the largest bucket
+        # Continuation chunks (after a held prefix, or past the largest bucket), every size used.
+        for size in sorted({self._continuation(b) for b in self.config.prefill_buckets}):
             if size < self.config.max_model_len:
                 _, logits = self.prefill_chunk(0, np.zeros(size + 1, np.int32), 1)
         assert logits is not None
