@@ -272,26 +272,25 @@ class Engine:
             self._place(seq, free)
 
     def _place(self, seq: _Seq, free: list[int]) -> None:
-        """Into the free slot holding the longest prefix of its prompt, or, with none worth
-        resuming, into the one holding least (so held prefixes last)."""
+        """Into the free slot whose held prefix saves the most of its prompt's prefill, or, with
+        none, into the one holding least (so held prefixes last)."""
         prompt = seq.request.prompt
+        largest, window = self.steps.config.prefill_buckets[-1], self.steps.prefix_window
 
-        def held_prefix(slot: int) -> int:
+        def resumable(slot: int) -> int:
             held = self._held[slot]
             n = min(len(held), len(prompt) - 1)  # the last prompt token runs: its logits sample
             differ = np.flatnonzero(held[:n] != prompt[:n])
-            return int(differ[0]) if differ.size else n
+            prefix = int(differ[0]) if differ.size else n
+            # A prefix of a whole largest chunk or more resumes whole, the rest prefilling alone;
+            # a shorter one as far as a packed prefill reaches, so prompts that arrive together
+            # still prefill in one call (resuming a 24-token system prompt alone, outside the
+            # pack, cost a benchmark a sixth of its rate).
+            return prefix if prefix >= largest else min(prefix, window)
 
-        reuse = {slot: held_prefix(slot) for slot in free} if self.steps.resumes_prefixes else {}
-        best = max(free, key=lambda slot: reuse.get(slot, 0))
-        # A resumed prompt prefills its rest alone, and prompts that arrive together are packed
-        # into one call and start decoding together: a short prefix saves less than leaving the
-        # pack costs (a benchmark with a shared 24-token system prompt lost a sixth of its
-        # rate). So only a prefix of a whole largest chunk or more is resumed.
-        if reuse.get(best, 0) < self.steps.config.prefill_buckets[-1]:
-            best = min(free, key=lambda slot: len(self._held[slot]))
-        else:
-            seq.prefilled = reuse[best]
+        reuse = {slot: resumable(slot) for slot in free} if self.steps.resumes_prefixes else {}
+        best = max(free, key=lambda slot: (reuse.get(slot, 0), -len(self._held[slot])))
+        seq.prefilled = reuse.get(best, 0)
         seq.slot = best
         self._slots[best] = seq
         self._held[best] = _NOTHING
@@ -363,24 +362,32 @@ class Engine:
             self._emit([(seq, *sampled)])
 
     def _pack(self, pending: list[_Seq]) -> list[_Seq]:
-        """Unstarted whole prompts, one choice per request (its siblings copy it), in slot order,
-        while they fit one chunk together."""
+        """Unstarted whole prompts (or resumed within the prefix window), one choice per request
+        (its siblings copy it), in slot order, while their new tokens fit one chunk together."""
         pack: list[_Seq] = []
         total, requests = 0, set()
         for seq in sorted(pending, key=lambda s: s.slot):
             request = seq.request
-            if seq.prefilled or request.solo or id(request) in requests or request.source_slot >= 0:
+            if (
+                seq.prefilled > self.steps.prefix_window
+                or request.solo
+                or id(request) in requests
+                or request.source_slot >= 0
+            ):
                 continue
-            if self.steps.pack_size(total + len(request.prompt)) is None:
+            new = len(request.prompt) - seq.prefilled
+            if self.steps.pack_size(total + new) is None:
                 continue  # a long prompt is chunked on its own; a shorter one may still fit
             pack.append(seq)
-            total += len(request.prompt)
+            total += new
             requests.add(id(request))
         return pack
 
     def _prefill_pack(self, pack: list[_Seq]) -> None:
         try:
-            logits = self.steps.prefill_packed([(s.slot, s.request.prompt) for s in pack])
+            logits = self.steps.prefill_packed(
+                [(s.slot, s.request.prompt, s.prefilled) for s in pack]
+            )
             sampled = [
                 self.steps.sample_first(prompt_logits, s.request.params, s.key, s.choice)
                 for s, prompt_logits in zip(pack, logits, strict=True)

@@ -50,6 +50,8 @@ class EngineConfig(Protocol):
     def cpu_kernels(self) -> bool: ...  # decode steps through engine.cpu_kernels where they run
     @property
     def prefix_caching(self) -> bool: ...  # prompts start from what a free slot still holds
+    @property
+    def prefix_window(self) -> int: ...  # held tokens a packed prompt can resume after
 
 
 class DeviceSteps:
@@ -86,6 +88,13 @@ class DeviceSteps:
         # a recurrent state cannot restart mid-row, so Qwen3.5 prefills one prompt at a time, and
         # so does a Decoder subclass that overrides `decode`: it is served through its own.
         self.packs_prompts = self._cache_type is KVCache and type(model).decode is Decoder.decode
+        # A packed chunk may resume after up to this many tokens its slot holds (0: packs hold
+        # first chunks only); every packed call then reads that window of every slot.
+        self.prefix_window = (
+            min(config.prefix_window, config.prefill_buckets[-1])
+            if self.resumes_prefixes and self.packs_prompts
+            else 0
+        )
         self.cache = self._new_cache()
         # Decode steps multiply a few rows by every weight and read each slot's cache once: the C++
         # kernels stream both faster than XLA:CPU's ops. Only the dense family's own `decode` takes
@@ -205,11 +214,19 @@ class DeviceSteps:
         segments_c: jax.Array,
         slots_c: jax.Array,
         last_n: jax.Array,
+        held_n: jax.Array,
     ) -> tuple[Cache, jax.Array]:
         model = nnx.merge(self.graphdef, state, self._rest)
         assert isinstance(model, Decoder)  # packs_prompts: the dense family only
         logits_1nv, cache = model.prefill_packed(
-            tokens_c[None], positions_c[None], segments_c[None], slots_c[None], cache, last_n=last_n
+            tokens_c[None],
+            positions_c[None],
+            segments_c[None],
+            slots_c[None],
+            cache,
+            last_n=last_n,
+            held_n=held_n,
+            window=self.prefix_window,
         )
         return cache, logits_1nv[0]
 
@@ -284,18 +301,24 @@ class DeviceSteps:
     def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int) -> tuple[int, Logits]:
         """Write the next chunk of `prompt` (from `start`) into `slot`; → (new start, last logits).
 
-        A first chunk is padded to a bucket and attends over itself only; a continuation (prompts
-        longer than the largest bucket, or the rest after a held prefix) attends over the whole
-        row, in the largest bucket, or, where prefixes resume, the smallest that holds the rest.
+        A first chunk, or one after a held prefix within `prefix_window`, is padded to a bucket and
+        attends over itself (and that prefix); a continuation (prompts longer than the largest
+        bucket, or the rest after a longer held prefix) attends over the whole row, in the largest
+        bucket, or, where prefixes resume, the smallest that holds the rest.
         """
-        if start == 0 and self.packs_prompts:  # a pack of one: the same programs as any pack
-            head = prompt[: self.config.prefill_buckets[-1]]
-            (logits,) = self.prefill_packed([(slot, head)])
+        if start <= self.prefix_window and self.packs_prompts:  # a pack of one: any pack's programs
+            head = prompt[: start + self.config.prefill_buckets[-1]]
+            (logits,) = self.prefill_packed([(slot, head, start)])
             return len(head), logits
         if start == 0:
             size = length = self.bucket(len(prompt))
         else:
             size, length = self._continuation(len(prompt) - start), self.config.max_model_len
+        return self._chunk(slot, prompt, start, size, length)
+
+    def _chunk(
+        self, slot: int, prompt: np.ndarray, start: int, size: int, length: int
+    ) -> tuple[int, Logits]:
         real = min(size, len(prompt) - start)
         tokens = np.zeros(size, np.int32)
         tokens[:real] = prompt[start : start + real]
@@ -311,31 +334,40 @@ class DeviceSteps:
             return self.bucket(remaining)
         return self.config.prefill_buckets[-1]
 
-    def pack_size(self, prompt_len: int) -> int | None:
-        """The bucket a packed first chunk of this length needs, or None if it must be chunked."""
+    def pack_size(self, tokens: int) -> int | None:
+        """The bucket a pack of this many new tokens needs, or None if they must be chunked."""
         largest = self.config.prefill_buckets[-1]
-        if not self.packs_prompts or prompt_len > largest:
+        if not self.packs_prompts or tokens > largest:
             return None
-        return self.bucket(prompt_len)
+        return self.bucket(tokens)
 
-    def prefill_packed(self, prompts: Sequence[tuple[int, np.ndarray]]) -> list[Logits]:
-        """Whole prompts `(slot, ids)`, at most `num_slots` with at most the largest bucket of
-        tokens in all, written into their slots in one call; → each one's last logits."""
-        total = sum(len(ids) for _, ids in prompts)
+    def prefill_packed(self, prompts: Sequence[tuple[int, np.ndarray, int]]) -> list[Logits]:
+        """Whole prompts `(slot, ids, start)`, at most `num_slots`, each resuming after the first
+        `start` (at most `prefix_window`) tokens its slot holds, with at most the largest bucket of
+        new tokens in all, written into their slots in one call; → each one's last logits."""
+        total = sum(len(ids) - start for _, ids, start in prompts)
         if not 0 < len(prompts) <= self.config.num_slots or self.pack_size(total) is None:
             raise ValueError(f"cannot pack {len(prompts)} prompts of {total} tokens in one chunk")
+        if any(
+            not 0 <= start < len(ids) or start > self.prefix_window for _, ids, start in prompts
+        ):
+            raise ValueError(
+                f"a packed prompt resumes after 0..{self.prefix_window} held tokens and keeps one "
+                f"to run, got starts {[start for *_, start in prompts]}"
+            )
         size = self.bucket(total)
         tokens, positions = np.zeros(size, np.int32), np.zeros(size, np.int32)
         segments, slots = np.zeros(size, np.int32), np.zeros(size, np.int32)
-        last_n = np.zeros(self.config.num_slots, np.int32)
+        last_n, held_n = (np.zeros(self.config.num_slots, np.int32) for _ in range(2))
         at = 0
-        for n, (slot, ids) in enumerate(prompts):
-            end = at + len(ids)
-            tokens[at:end], positions[at:end] = ids, np.arange(len(ids))
+        for n, (slot, ids, start) in enumerate(prompts):
+            end = at + len(ids) - start
+            tokens[at:end], positions[at:end] = ids[start:], np.arange(start, len(ids))
             segments[at:end], slots[at:end], last_n[n] = n + 1, slot, end - 1
+            held_n[n] = start
             at = end
         self.cache, logits_nv = self._packed(
-            self.state, self.cache, tokens, positions, segments, slots, last_n
+            self.state, self.cache, tokens, positions, segments, slots, last_n, held_n
         )
         return [(logits_nv, n) for n in range(len(prompts))]
 
@@ -355,13 +387,14 @@ class DeviceSteps:
         logits = None
         for size in self.config.prefill_buckets:
             if self.packs_prompts:
-                (logits,) = self.prefill_packed([(0, np.zeros(size, np.int32))])
+                (logits,) = self.prefill_packed([(0, np.zeros(size, np.int32), 0)])
             else:
                 _, logits = self.prefill_chunk(0, np.zeros(size, np.int32), 0)
         # Continuation chunks (after a held prefix, or past the largest bucket), every size used.
         for size in sorted({self._continuation(b) for b in self.config.prefill_buckets}):
             if size < self.config.max_model_len:
-                _, logits = self.prefill_chunk(0, np.zeros(size + 1, np.int32), 1)
+                prompt = np.zeros(size + 1, np.int32)
+                _, logits = self._chunk(0, prompt, 1, size, self.config.max_model_len)
         assert logits is not None
         self.sample_first(logits, SamplingParams(), np.zeros(2, np.uint32), 0)
         self.copy_slot(0, 0)

@@ -22,7 +22,8 @@ Serving:  `logits_btv, cache = model.decode(tokens_bt, positions_bt, cache, *, s
     what its longest sequence needs; every position in the call must be < length.
   - `last` (traced int, default None): logits only at index `last` of each row: `[b, 1, vocab]`.
   `model.prefill_packed(...)` writes the first chunks of several prompts, packed in one row
-  with segment ids as in training, into their slots in one call (see its docstring).
+  with segment ids as in training, into their slots in one call; a prompt may start after a
+  prefix its slot already holds, within a window of the slot's first indices (see its docstring).
   The cache is carried through the layer loop and written by a scatter: under `jax.jit` with the
   cache donated, XLA updates it in place instead of copying every layer's cache each step.
 
@@ -349,17 +350,32 @@ class Decoder(nnx.Module):
         cache: KVCache,
         *,
         last_n: jax.Array,
+        held_n: jax.Array | None = None,
+        window: int = 0,
     ) -> tuple[jax.Array, KVCache]:
-        """First chunks of several prompts packed in one row → logits at `last_n`, and the cache.
+        """Chunks of several prompts packed in one row → logits at `last_n`, and the cache.
 
         Token i of the row belongs to segment `segment_ids_1t[0, i]` (0: padding, not written)
-        and is written at index `positions_1t[0, i]` of cache slot `slots_1t[0, i]`. A first
-        chunk has nothing earlier in the cache, so each token attends to the earlier tokens of
-        its own segment in the row, as in training's packed rows, and no cache row is read.
-        Returns `[1, n, vocab]` logits at row indices `last_n` (`[n]`).
+        and is written at index `positions_1t[0, i]` of cache slot `slots_1t[0, i]`. Each token
+        attends to the earlier tokens of its own segment in the row, as in training's packed rows,
+        and, when segment n+1 resumes a prefix its slot holds (`held_n[n]` > 0, positions starting
+        there), to that slot's cache indices `< held_n[n]`. `window` (static) bounds those: the
+        call reads cache indices `< window` of every slot, masked to each token's own, so the
+        extra scores cost `slots x window` per token. Returns `[1, n, vocab]` logits at row
+        indices `last_n` (`[n]`).
         """
         cfg = self.cfg
         mask_btt = attn.segment_causal_mask(segment_ids_1t)
+        if window:
+            if held_n is None:
+                raise ValueError("prefill_packed with a window needs held_n")
+            # Key (slot s, index j) of the window is visible to a token of slot s whose segment
+            # resumes after more than j held tokens; keys are the row's, then the window's.
+            held_1t = jnp.where(segment_ids_1t > 0, held_n[jnp.maximum(segment_ids_1t - 1, 0)], 0)
+            mine_1ts = slots_1t[..., None] == jnp.arange(cache.slots)
+            before_1tj = jnp.arange(window) < held_1t[..., None]
+            held_1tsj = mine_1ts[..., None] & before_1tj[..., None, :]
+            mask_btt = jnp.concatenate([mask_btt, held_1tsj.reshape(*mask_btt.shape[:2], -1)], -1)
         cos_bte, sin_bte = attn.rope_tables(positions_1t, attn.rope_inv_freq(cfg))
         write_1t = jnp.where(segment_ids_1t > 0, positions_1t, cache.max_len)  # dropped
         slots_1t = jnp.where(segment_ids_1t > 0, slots_1t, 0)
@@ -371,6 +387,7 @@ class Decoder(nnx.Module):
             (slots_1t, write_1t),
             mask_btt,
             window=None,
+            held_window=window,
         )
         x_bnd = jnp.take(x_btd, last_n, axis=1)  # the vocab projection only where one is sampled
         return self.logits(x_bnd), cache
@@ -384,12 +401,14 @@ class Decoder(nnx.Module):
         mask_bts: jax.Array,
         *,
         window: tuple[int | jax.Array, int, int] | None,
+        held_window: int = 0,
         kernels: DecodeKernels | None = None,
         positions_b: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The layer scan of a serving call: each layer writes the call's keys and values at
         `writes` (cache slot, index per token; an out-of-range index is dropped), then attends over
-        `window` (first slot, rows, length) of its cache, or, when None, over the call's own.
+        `window` (first slot, rows, length) of its cache, or, when None, over the call's own
+        followed by the first `held_window` indices of every slot (a one-row call).
 
         The whole cache is the scan's carry, so each layer's scatter updates it in place. With
         `kernels` (a decode step: one token per slot, `positions_b` its positions), the projection
@@ -427,6 +446,16 @@ class Decoder(nnx.Module):
                     jax.lax.dynamic_slice(c, (i, first, 0, 0, 0), shape)[0].astype(x_btd.dtype)
                     for c in (k_lbske, v_lbske)
                 )
+            elif held_window:  # the row's keys, then each slot's first indices
+                shape = (1, cache.slots, held_window, cfg.num_kv_heads, cfg.head_dim)
+                held_k, held_v = (
+                    jax.lax.dynamic_slice(c, (i, 0, 0, 0, 0), shape)
+                    .reshape(1, -1, cfg.num_kv_heads, cfg.head_dim)
+                    .astype(x_btd.dtype)
+                    for c in (k_lbske, v_lbske)
+                )
+                k_btke = jnp.concatenate([k_btke, held_k], axis=1)
+                v_btke = jnp.concatenate([v_btke, held_v], axis=1)
             o_bthe = attn.attend(q_bthe, k_btke, v_btke, mask_bts)
             return (block_tail(cfg, w, x_btd, o_bthe, project), k_lbske, v_lbske), None
 

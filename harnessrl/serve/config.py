@@ -57,14 +57,19 @@ class ServeConfig:
     # arithmetic up to summation order.
     cpu_kernels: bool = True
     # A prompt that starts with what a free slot still holds (a finished sequence's prompt and
-    # tokens, kept until the slot is reused or the weights change) prefills only the rest, when
-    # that prefix fills the largest prefill bucket or more: agent turns resend their history.
+    # tokens, kept until the slot is reused or the weights change) prefills only the rest: a
+    # shared system prompt, or an agent turn that resends its history.
     prefix_caching: bool = True
+    # Held tokens a packed prefill can resume after (a shared system prompt): every packed call
+    # reads these first indices of every slot, num_slots x prefix_window more keys per token
+    # (up to the largest prefill bucket: a held prefix that long or longer resumes whole,
+    # through chunks of its own).
+    prefix_window: int = 32
     warmup: bool = True  # compile every serving program before accepting requests
     log_level: str = "warning"  # uvicorn log level
 
     def __post_init__(self) -> None:
-        for name in ("port", "num_slots", "max_model_len", "max_waiting"):
+        for name in ("port", "num_slots", "max_model_len", "max_waiting", "prefix_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(

@@ -181,7 +181,7 @@ def test_a_failed_packed_prefill_retries_each_prompt_alone_and_fails_only_the_ba
 
     def faulty(prompts):
         packs.append(len(prompts))
-        if any(list(ids[:3]) == marked for _, ids in prompts):
+        if any(list(ids[:3]) == marked for _, ids, _ in prompts):
             raise RuntimeError("injected prefill fault")
         return real(prompts)
 
@@ -478,6 +478,61 @@ def _segments(batch: PackedBatch) -> list[tuple[int, np.ndarray]]:
         for seg in np.unique(batch.segment_ids[row])
         if seg > 0
     ]
+
+
+def test_prompts_sharing_a_held_system_prompt_resume_after_it_in_one_packed_call():
+    """Four prompts that start with the system prompt the free slots still hold prefill only
+    their new tokens, together in one packed call that attends to each slot's held prefix; their
+    logprobs still equal the learner's, and nothing compiles after warm-up."""
+    model = _model(0)
+    engine = Engine(model, [EOS], CONFIG)
+    engine.warm_up()
+    compiles = engine.compile_count
+    packs: list[list[int]] = []  # the held tokens each packed prompt resumed after
+    real = engine.steps.prefill_packed
+
+    def recording(prompts):
+        packs.append([start for *_, start in prompts])
+        return real(prompts)
+
+    engine.steps.prefill_packed = recording
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, EOS, size=10).tolist()
+    greedy = SamplingParams(temperature=0.0)
+
+    def wave(suffix: int) -> list[tuple[list[int], list[TokenEvent]]]:
+        """Four prompts queued at once (the engine admits none before the last), run."""
+        prompts = [system + rng.integers(0, EOS, size=suffix).tolist() for _ in range(4)]
+        got: list[list[TokenEvent]] = [[] for _ in prompts]
+        done = [threading.Event() for _ in prompts]
+        with engine._cond:  # the engine thread admits requests under this (reentrant) lock
+            for i, prompt in enumerate(prompts):
+
+                def sink(events, i=i):
+                    got[i].extend(events)
+                    if events[-1].finish_reason:
+                        done[i].set()
+
+                engine.submit(prompt, greedy, 5, sink)
+        assert all(d.wait(120) for d in done), "a request did not finish"
+        return list(zip(prompts, got, strict=True))
+
+    engine.start()
+    try:
+        wave(3)
+        assert packs == [[0]] * 4  # nothing held yet: 13 tokens each, one per largest bucket
+        packs.clear()
+        # Every slot holds the system prompt: each new prompt's 4 tokens (16 in all, the largest
+        # bucket) resume after its 10 held ones in one call.
+        for prompt, events in wave(4):
+            tokens = [e.token for e in events]
+            reference, scale = _reference_logprobs(model, prompt, tokens)
+            tol = logprob_reorder_tolerance(model.cfg, scale, CONFIG.max_model_len)
+            assert np.max(np.abs(np.array([e.logprob for e in events]) - reference)) <= tol
+        assert packs == [[10, 10, 10, 10]]
+        assert engine.compile_count == compiles
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

@@ -56,7 +56,7 @@ def test_a_failed_prefill_fails_only_its_request(bounded_server, monkeypatch):
     real = steps.prefill_packed  # every first chunk of this model, packed with others or alone
 
     def faulty(prompts):
-        if any(list(ids[:4]) == MARKED for _, ids in prompts):
+        if any(list(ids[:4]) == MARKED for _, ids, _ in prompts):
             raise RuntimeError("injected prefill fault")
         return real(prompts)
 
