@@ -535,6 +535,18 @@ def test_prompts_sharing_a_held_system_prompt_resume_after_it_in_one_packed_call
         engine.stop()
 
 
+def test_a_pack_that_resumes_past_the_window_or_its_prompt_is_refused():
+    steps = Engine(_model(0), [EOS], CONFIG).steps
+    assert steps.prefix_window == 16  # the default 32, held to the largest bucket
+    ids = np.arange(20, dtype=np.int32)
+    for prompt, start in ((ids, 17), (ids, 20), (ids[:10], -1)):
+        with pytest.raises(ValueError, match=r"resumes after 0\.\.16 held tokens"):
+            steps.prefill_packed([(0, prompt, start)])
+    off = Engine(_model(0), [EOS], dataclasses.replace(CONFIG, prefix_caching=False)).steps
+    with pytest.raises(ValueError, match=r"resumes after 0\.\.0 held tokens"):
+        off.prefill_packed([(0, ids[:8], 1)])
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_an_agent_turn_resumes_from_what_its_last_turn_left_in_the_cache(prefix_caching: bool):
     """Turn 2 resends turn 1's prompt and reply: it prefills only its new tokens in the slot turn 1

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference_bounds import assert_reordered_close, logprob_reorder_tolerance
 
 from harnessrl.model import attention as attn
@@ -166,6 +168,54 @@ def test_packed_equals_unpacked(family: str) -> None:
         got = _logprobs(logits[:, start : start + n], tokens[:, start : start + n])[0]
         assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
         start += n
+
+
+WINDOW, CHUNK, SLOTS, MAX_LEN = 8, 16, 4, 32
+_write_slot = nnx.jit(lambda m, t, p, c, s: m.decode(t, p, c, slot=s))
+_packed_held = nnx.jit(
+    lambda m, t, p, seg, sl, c, last, held: m.prefill_packed(
+        t, p, seg, sl, c, last_n=last, held_n=held, window=WINDOW
+    )
+)
+_HELD_MODEL = _model()
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_packed_prefill_after_held_prefixes_matches_full_forward(data: st.DataObject) -> None:
+    """Prompts packed in one chunk, each resuming after 0..WINDOW tokens its slot holds, get the
+    full forward's last logits; the held entries stay as they were, other slots' stale ones too."""
+    model = _HELD_MODEL
+    n = data.draw(st.integers(1, 3), label="prompts")
+    slots = data.draw(st.permutations(range(SLOTS)), label="slots")[:n]
+    held = [data.draw(st.integers(0, WINDOW), label="held") for _ in range(n)]
+    new = [data.draw(st.integers(1, 5), label="new") for _ in range(n)]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    seqs = [rng.integers(0, 128, h + k).astype(np.int32) for h, k in zip(held, new, strict=True)]
+    shape = (model.cfg.num_layers, SLOTS, MAX_LEN, model.cfg.num_kv_heads, model.cfg.head_dim)
+    cache = KVCache(*jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (2, *shape)))
+    for slot, h, seq in zip(slots, held, seqs, strict=True):  # what each slot holds
+        tokens, positions = np.zeros((1, WINDOW), np.int32), np.full((1, WINDOW), -1, np.int32)
+        tokens[0, :h], positions[0, :h] = seq[:h], np.arange(h)
+        _, cache = _write_slot(model, tokens, positions, cache, jnp.int32(slot))
+    before = jax.tree.map(np.asarray, cache)
+    tokens, positions, segments, slots_c = (np.zeros((1, CHUNK), np.int32) for _ in range(4))
+    last_n, held_n = np.zeros(SLOTS, np.int32), np.zeros(SLOTS, np.int32)
+    at = 0
+    for i, (slot, h, seq) in enumerate(zip(slots, held, seqs, strict=True)):
+        end = at + len(seq) - h
+        tokens[0, at:end], positions[0, at:end] = seq[h:], np.arange(h, len(seq))
+        segments[0, at:end], slots_c[0, at:end], last_n[i], held_n[i] = i + 1, slot, end - 1, h
+        at = end
+    logits, after = _packed_held(model, tokens, positions, segments, slots_c, cache, last_n, held_n)
+    for i, seq in enumerate(seqs):
+        full = _forward(model, jnp.asarray(seq[None]), jnp.arange(len(seq))[None])
+        assert_reordered_close(logits[0, i], full[0, -1], model.cfg, MAX_LEN)
+    written = np.zeros((SLOTS, MAX_LEN), bool)
+    for slot, h, seq in zip(slots, held, seqs, strict=True):
+        written[slot, h : len(seq)] = True
+    for got, old in ((after.k_lbske, before.k_lbske), (after.v_lbske, before.v_lbske)):
+        np.testing.assert_array_equal(np.asarray(got)[:, ~written], old[:, ~written])
 
 
 def test_causal_query_blocks_cover_the_lengths_the_learner_packs() -> None:
