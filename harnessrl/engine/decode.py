@@ -2,8 +2,9 @@
 
 Sequences (one per choice) share a fixed set of KV-cache slots. Prompts are prefilled in chunks
 whose lengths come from a small bucket set; one decode step advances every active slot at once.
-A free slot keeps what its last sequence left in the cache: a prompt that starts with at least a
-largest chunk of it prefills only the rest (prefix caching; forgotten when the weights change).
+A free slot keeps what its last sequence left in the cache: a prompt that starts with it prefills
+only the rest, within the packed prefill up to `prefix_window` tokens, whole from a largest chunk
+on (prefix caching; forgotten when the weights change).
 Every device program has a static shape, so after `warm_up()` nothing compiles again
 (`compile_count` counts traces). The loop runs on its own thread; params swap between steps.
 """
