@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import math
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import orjson
 
@@ -32,6 +33,7 @@ from proxy_sidecar.errors import (
     BodyTooLarge,
     Conflict,
     NotFound,
+    RequestTimeout,
     SidecarError,
     Unauthorized,
     Unavailable,
@@ -96,6 +98,8 @@ class SidecarState:
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until no call is in flight; False if `timeout_s` passed first."""
+        if self._idle.is_set():  # also with timeout 0, which wait_for would time out at once
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -132,6 +136,28 @@ def rollout_url(sidecar_url: str, rollout_id: str, route: str = "v1") -> str:
     return f"{sidecar_url}/rollouts/{rollout_id}/{route}"
 
 
+def rollout_of(scope: Scope, default: str) -> str:
+    """The rollout id in the request's path, or `default` on the plain routes; BadRequest if it
+    cannot be one (distinct ids must stay distinct in the store, and printable in its logs)."""
+    params = scope.get("path_params", {})
+    if "rollout_id" not in params:
+        return default
+    raw = scope.get("raw_path")
+    try:  # the server decoded the path with replacement characters: %ff and %fe would collide
+        if raw is not None:
+            unquote_to_bytes(raw).decode()
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start : err.end].hex()
+        raise BadRequest(
+            f"rollout id is not UTF-8 once percent-decoded (bytes 0x{bad}): percent-encode "
+            "the UTF-8 bytes of a text id"
+        ) from err
+    rollout_id = str(params["rollout_id"])
+    if len(rollout_id) > 256 or not rollout_id.isprintable():
+        raise BadRequest(f"rollout id must be printable and at most 256 chars, got {rollout_id!r}")
+    return rollout_id
+
+
 def authorize(scope: Scope, token: str | None, rollout_id: str | None = None) -> str:
     """Which credential the request carries: "control", or "rollout" (that rollout's own).
 
@@ -159,49 +185,59 @@ def authorize(scope: Scope, token: str | None, rollout_id: str | None = None) ->
 
 
 async def read_body(
-    scope: Scope, receive: Receive, limit: int, budget: BodyBudget | None = None
+    scope: Scope,
+    receive: Receive,
+    limit: int,
+    budget: BodyBudget | None = None,
+    timeout_s: float | None = None,
 ) -> bytearray:
-    """The whole body, at most `limit` bytes. With a `budget`, its bytes are taken from it as they
-    arrive (the caller gives `len(body)` back when the call is done); if the budget refuses, the
-    rest of the body is read and dropped, so that the client gets the 503 rather than a reset."""
-    declared = 0
+    """The whole body, at most `limit` bytes, all of it within `timeout_s` seconds (408 past that).
+
+    With a `budget`, bytes are taken from it as they arrive, never on the strength of a declared
+    Content-Length: a body that is announced large and trickles in holds only what came (the
+    caller gives `len(body)` back when the call is done). If the budget refuses, the rest of the
+    body is read and dropped, so that the client gets the 503 rather than a reset."""
     for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit():
-            declared = int(value)
-            if declared > limit:
-                raise BodyTooLarge(f"request body over the {limit}-byte limit")
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyTooLarge(f"request body over the {limit}-byte limit")
     body = bytearray()  # grows in place: no second copy of a large body when it is complete
-    size = taken = 0  # bytes read; bytes taken from the budget
-    more = True  # the client has more of the body to send
     try:
-        if budget is not None and declared:
-            budget.take(declared)
-            taken = declared
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                raise BadRequest("client went away before sending the body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            more = message.get("more_body", False)
-            if size > limit:
-                raise BodyTooLarge(f"request body over the {limit}-byte limit")
-            if budget is not None and size > taken:
-                budget.take(size - taken)
-                taken = size
-            body += chunk
-            if not more:
-                break
+        async with asyncio.timeout(timeout_s):
+            await _read_into(body, receive, limit, budget)
     except BaseException as err:
         if budget is not None:
-            budget.give(taken)
-        if isinstance(err, Unavailable) and more:
-            del body
-            await _drop_body(receive, limit - size)
+            budget.give(len(body))
+        if isinstance(err, TimeoutError):
+            raise RequestTimeout(
+                f"request body not received within {timeout_s} s (--body-timeout-s)"
+            ) from err
         raise
-    if budget is not None:
-        budget.give(taken - size)  # a Content-Length above what came
     return body
+
+
+async def _read_into(
+    body: bytearray, receive: Receive, limit: int, budget: BodyBudget | None
+) -> None:
+    more = True  # the client has more of the body to send
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise BadRequest("client went away before sending the body")
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        if len(body) + len(chunk) > limit:
+            raise BodyTooLarge(f"request body over the {limit}-byte limit")
+        if budget is not None:
+            try:
+                budget.take(len(chunk))
+            except Unavailable:
+                allowance = limit - len(body) - len(chunk)
+                budget.give(len(body))
+                body.clear()
+                if more:
+                    await _drop_body(receive, allowance)
+                raise
+        body += chunk
 
 
 async def _drop_body(receive: Receive, allowance: int) -> None:
@@ -226,9 +262,11 @@ def parse_object(raw: bytes | bytearray) -> dict[str, Any]:
     return value
 
 
-async def read_json(scope: Scope, receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
+async def read_json(
+    scope: Scope, receive: Receive, timeout_s: float | None, limit: int = 1 << 20
+) -> dict[str, Any]:
     """A control request's JSON object body (empty body: {})."""
-    raw = await read_body(scope, receive, limit)
+    raw = await read_body(scope, receive, limit, timeout_s=timeout_s)
     return parse_object(raw) if raw.strip() else {}
 
 
@@ -253,7 +291,8 @@ class ControlEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             authorize(scope, self.state.config.control_token)
-            body = await read_json(scope, receive) if scope["method"] == "POST" else {}
+            timeout_s = self.state.config.body_timeout_s
+            body = await read_json(scope, receive, timeout_s) if scope["method"] == "POST" else {}
             await send_json(send, 200, await self._act(body))
         except SidecarError as err:
             await send_error(send, err)
@@ -261,7 +300,7 @@ class ControlEndpoint:
     async def _act(self, body: dict[str, Any]) -> dict[str, Any]:
         state = self.state
         if self.action == "pause":
-            state.pause()
+            timeout = None
             if body.get("drain_timeout_s") is not None:
                 timeout = _number(body, "drain_timeout_s")
                 if not 0 <= timeout <= 3600:
@@ -269,7 +308,15 @@ class ControlEndpoint:
                         f"'drain_timeout_s' must be in [0, 3600], got {timeout!r}",
                         param="drain_timeout_s",
                     )
-                await state.drain(float(timeout))
+            state.pause()
+            if timeout is not None and not await state.drain(float(timeout)):
+                # A swap now would label calls sampled partly under the old weights with the
+                # new version: refuse the hold whole, and let new calls in again.
+                state.resume()
+                raise Conflict(
+                    f"{state.in_flight} call(s) still in flight after drain_timeout_s="
+                    f"{timeout:g}; not paused (new calls resumed)"
+                )
         elif self.action == "resume":
             state.resume()
         elif self.action == "policy_version":
@@ -301,11 +348,11 @@ class RolloutEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            rollout_id = scope["path_params"]["rollout_id"]
+            rollout_id = rollout_of(scope, "")
             # A harness holds its rollout's own credential, good for that rollout's reward only.
             own = rollout_id if self.action == "reward" else None
             caller = authorize(scope, self.state.config.control_token, own)
-            body = await read_json(scope, receive)
+            body = await read_json(scope, receive, self.state.config.body_timeout_s)
             record = await asyncio.to_thread(self._apply, rollout_id, body, caller)
             payload = {
                 "rollout_id": rollout_id,

@@ -61,6 +61,20 @@ DIE_WITH_PARENT = (
 )
 
 
+class SidecarRefused(RuntimeError):
+    """A sidecar's control API answered something other than 200 (its error message quoted)."""
+
+    def __init__(self, url: str, action: str, response: httpx.Response) -> None:
+        try:
+            message = str(response.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        super().__init__(
+            f"sidecar {url}/control/{action} answered {response.status_code}: {message}"
+        )
+        self.url, self.action, self.status = url, action, response.status_code
+
+
 class SidecarProcess:
     """`python -m proxy_sidecar` run with `cfg`; port 0 picks a free one, no token a fresh one."""
 
@@ -107,12 +121,15 @@ class SidecarProcess:
         """What a harness gets as OPENAI_BASE_URL for this rollout."""
         return rollout_url(self.url, rollout_id)
 
-    def control(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        r = self.client.post(f"/control/{action}", json=body or {})
+    def control(
+        self, action: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """POST /control/{action}; SidecarRefused on any answer but 200. `timeout_s`: the wait
+        for the answer (a pause that drains answers only when drained or refused)."""
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        r = self.client.post(f"/control/{action}", json=body or {}, timeout=timeout)
         if r.status_code != 200:
-            raise RuntimeError(
-                f"sidecar /control/{action} answered {r.status_code}: {r.text[:300]}"
-            )
+            raise SidecarRefused(self.url, action, r)
         return dict(r.json())
 
     def status(self) -> dict[str, Any]:

@@ -149,7 +149,7 @@ def coding_job(
 ) -> dict[str, Any]:
     """The plain harness Job reshaped for a coding run (see docs/coding.md, Kubernetes)."""
     cfg, code = launcher.config, launcher.config.coding
-    job = plain_manifest(spec, cfg, batch, launcher.policy_version)
+    job = plain_manifest(spec, cfg, batch, launcher.policy_version, launcher.sidecar_mode)
     template = job["spec"]["template"]
     for meta in (job["metadata"], template["metadata"]):
         meta["labels"][SANDBOX_LABEL] = "coding"

@@ -168,8 +168,10 @@ def job_manifest(
     cfg: KubernetesLauncherConfig,
     batch: str = "dry-run",
     policy_version: int | None = None,
+    mode: str = "train",
 ) -> dict[str, Any]:
-    """The Job for one run: harness container + native sidecar, task mounted from an annotation."""
+    """The Job for one run: harness container + native sidecar, task mounted from an annotation.
+    `mode`: which of its sidecar's sampling overrides apply (eval: a held-out eval's run)."""
     labels = {
         "app.kubernetes.io/name": "harnessrl-harness",
         "app.kubernetes.io/managed-by": "harnessrl",
@@ -188,6 +190,8 @@ def job_manifest(
     sidecar = sidecar_container(cfg.sidecar)
     if policy_version is not None:  # every call of the run is recorded with the serving version
         sidecar["args"] += ["--policy-version", str(policy_version)]
+    if mode != "train":
+        sidecar["args"] += ["--mode", mode]
     # The task travels in the pod's own annotation (downward API file): no ConfigMap per run.
     task_ref = {"fieldPath": f"metadata.annotations['{TASK_ANNOTATION}']"}
     pod_spec = {
@@ -298,6 +302,7 @@ class KubernetesLauncher:
         self._next_create = 0.0
         # The train loop sets this after each weight push; new Jobs' sidecars start with it.
         self.policy_version: int | None = None
+        self.sidecar_mode = "train"  # "eval" while the train loop runs a held-out eval
 
     def run(self, specs: list[RunSpec]) -> list[RunResult]:
         if not specs:
@@ -400,7 +405,7 @@ class KubernetesLauncher:
 
     def manifest(self, spec: RunSpec, batch: str) -> dict[str, Any]:
         """The Job of one run (a subclass may shape its own)."""
-        return job_manifest(spec, self.config, batch, self.policy_version)
+        return job_manifest(spec, self.config, batch, self.policy_version, self.sidecar_mode)
 
     def result(
         self, spec: RunSpec, state: RolloutState, started: float, exit_code: int | None,

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harnessrl.fleet.capture import PodCapture
+from harnessrl.fleet.capture import HoldFailed, PodCapture
 from proxy_sidecar.inject.webhook import SidecarSpec
 
 
@@ -131,3 +131,43 @@ def test_the_reward_credential_reaches_the_harness_container_of_a_job() -> None:
     )
     assert env["HARNESSRL_REWARD_URL"].startswith(f"http://127.0.0.1:{cfg.sidecar.port}/")
     assert "secret" not in env.values() and "HARNESSRL_CONTROL_TOKEN" not in env
+
+
+def test_a_pod_that_cannot_drain_fails_the_push_naming_it_and_its_calls_in_flight() -> None:
+    def answer(host: str, action: str) -> httpx.Response:
+        if host == "10.0.0.3" and action == "pause":  # the sidecar's answer to a failed drain
+            message = "2 call(s) still in flight after drain_timeout_s=120; not paused"
+            return httpx.Response(409, json={"error": {"message": message}})
+        return httpx.Response(200, json={})
+
+    pods = Pods(["http://10.0.0.2:8080", "http://10.0.0.3:8080", "http://10.0.0.4:8080"])
+    cap, seen = capture(pods, answer)
+    failed = pytest.raises(HoldFailed, match=r"version 6 not made: sidecar http://10\.0\.0\.3:8080")
+    with failed as err, cap.hold(6):
+        pytest.fail("the push must not run while a sidecar still has calls in flight")
+    assert "2 call(s) still in flight" in str(err.value)
+    assert seen == [("10.0.0.2", "pause"), ("10.0.0.3", "pause"), ("10.0.0.2", "resume")]
+    assert pods.policy_version is None
+
+
+def test_eval_runs_start_their_pod_sidecars_in_eval_mode() -> None:
+    from harnessrl.rollout.k8s import KubernetesLauncherConfig, job_manifest
+    from harnessrl.rollout.round import plan_round
+    from harnessrl.rollout.tasks import Task
+
+    pods = Pods([])
+    pods.sidecar_mode = "train"
+    cap = PodCapture(pods, "secret")
+    cfg = KubernetesLauncherConfig(image="harness:1", command=("h",), sidecar=SidecarSpec())
+    [spec] = plan_round([Task("t", "p")], prefix="e0", runs_per_task=1,
+                        base_url=cap.base_url, timeout_s=10.0)  # fmt: skip
+
+    def sidecar_args() -> list[str]:
+        pod = job_manifest(spec, cfg, "b", None, pods.sidecar_mode)["spec"]["template"]["spec"]
+        return list(pod["initContainers"][0]["args"])
+
+    assert "--mode" not in sidecar_args()
+    with cap.evaluating():
+        args = sidecar_args()
+        assert args[args.index("--mode") + 1] == "eval"
+    assert pods.sidecar_mode == "train" and "--mode" not in sidecar_args()
