@@ -21,13 +21,14 @@ from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
 from proxy_sidecar.config import TOKEN_IN_CHAT, SidecarConfig
-from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState
+from proxy_sidecar.control import ControlEndpoint, RolloutEndpoint, SidecarState, rollout_of
 from proxy_sidecar.dialects.chat import Chat
 from proxy_sidecar.dialects.endpoint import DialectEndpoint, TokenIn, dialect_routes
+from proxy_sidecar.dialects.messages import Messages
 from proxy_sidecar.dialects.models import ModelList
 from proxy_sidecar.errors import SidecarError, send_error
 from proxy_sidecar.metrics import Metrics
-from proxy_sidecar.proxy import read_failure, response_headers, rollout_of, upstream_headers
+from proxy_sidecar.proxy import read_failure, response_headers, upstream_headers
 from proxy_sidecar.recorder import Recorder
 from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamPool
@@ -77,13 +78,31 @@ class MetricsEndpoint:
         await send_body(send, 200, body, [(b"content-type", ctype.encode())])
 
 
+def _error_response(path: str, err: SidecarError) -> Response:
+    """`err` in the shape of the route's dialect: Anthropic's under /v1/messages, else OpenAI's."""
+    body = error_body(err.status, err.message, err.type, err.param)
+    if path.endswith("/v1/messages") or "/v1/messages/" in path:
+        body = Messages().error(err)  # the dialect keeps no state
+    return JSONResponse(body, err.status)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 400
-    message = {404: f"no route {request.url.path!r}", 405: "method not allowed"}.get(
-        status, str(getattr(exc, "detail", exc))
-    )
-    kind = "not_found_error" if status == 404 else "invalid_request_error"
-    return JSONResponse(error_body(status, message, kind), status)
+    """Starlette's own refusals (no route, wrong method) in the dialect's error shape."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    err = SidecarError(f"no route {path!r}" if exc.status_code == 404 else str(exc.detail))
+    err.status = exc.status_code
+    err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    response = _error_response(path, err)
+    response.headers.update(exc.headers or {})  # 405: Allow
+    return response
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug, not the client's doing: still an answer in the dialect's shape (and logged)."""
+    err = SidecarError(f"internal error in the sidecar: {type(exc).__name__}")
+    err.status, err.type = 500, "internal_error"
+    return _error_response(request.url.path, err)
 
 
 def routes(state: SidecarState, tokenin: TokenIn | None = None) -> list[Route]:
@@ -153,7 +172,7 @@ def build_app(config: SidecarConfig, store: TraceStore | None = None) -> Starlet
     app = Starlette(
         routes=routes(state, tokenin),
         lifespan=lifespan,
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.sidecar = state
     return app

@@ -43,12 +43,15 @@ class SidecarConfig:
     tokenizer: str | None = None
     token_in_chat: bool = False  # /v1/chat/completions in token-in mode too (needs tokenizer)
     train_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"temperature": 1.0}
-    eval_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"temperature": 0}
+    # Greedy by default, so two evals of the same weights agree
+    eval_overrides: dict[str, Any] = field(default_factory=lambda: {"temperature": 0})
     policy_version: int | None = None  # recorded on every call until /control sets another
     max_body_bytes: int = 16 * 1024 * 1024  # largest request body; larger gets 413
     # All request bodies in flight together; past it, 503. Peak memory is about 3.5x this
     # (parsed and encoded copies) on top of ~50 MB, within the 256Mi of an injected sidecar.
     max_buffered_bytes: int = 32 * 1024 * 1024
+    # The longest a whole request body may take to arrive; past it, 408 (its bytes are let go)
+    body_timeout_s: float = 60.0
     pause_timeout_s: float = 600.0  # how long a new call waits while paused before a 503
     connect_timeout_s: float = 5.0  # to reach an upstream
     read_timeout_s: float = 600.0  # longest silence from an upstream inside one response
@@ -87,7 +90,8 @@ class SidecarConfig:
                 f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least max_body_bytes "
                 f"({self.max_body_bytes}), or a request of the allowed size could never be served"
             )
-        for name in ("pause_timeout_s", "connect_timeout_s", "read_timeout_s", "eject_s"):
+        timeouts = ("body_timeout_s", "pause_timeout_s", "connect_timeout_s", "read_timeout_s")
+        for name in (*timeouts, "eject_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         error = None if self.policy_version is None else policy_version_error(self.policy_version)

@@ -15,6 +15,7 @@ class SidecarError(Exception):
 
     status = 400
     type = "invalid_request_error"
+    close = False  # the connection closes after the answer (the request was not read to its end)
 
     def __init__(
         self, message: str, *, param: str | None = None, retry_after_s: int | None = None
@@ -44,6 +45,14 @@ class Conflict(SidecarError):
     type = "conflict_error"
 
 
+class RequestTimeout(SidecarError):
+    """The request body did not arrive within --body-timeout-s."""
+
+    status = 408
+    type = "timeout_error"
+    close = True
+
+
 class BodyTooLarge(SidecarError):
     status = 413
 
@@ -67,10 +76,16 @@ class UpstreamTimeout(SidecarError):
     type = "upstream_timeout"
 
 
-async def send_error(send: Send, err: SidecarError) -> None:
+def error_headers(err: SidecarError) -> list[tuple[bytes, bytes]]:
+    """The headers an error answer carries beside its body, in any dialect."""
     headers = []
     if err.retry_after_s is not None:
         headers.append((b"retry-after", str(err.retry_after_s).encode()))
-    await send_json(
-        send, err.status, error_body(err.status, err.message, err.type, err.param), headers
-    )
+    if err.close:
+        headers.append((b"connection", b"close"))
+    return headers
+
+
+async def send_error(send: Send, err: SidecarError) -> None:
+    body = error_body(err.status, err.message, err.type, err.param)
+    await send_json(send, err.status, body, error_headers(err))

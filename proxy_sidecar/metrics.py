@@ -1,4 +1,4 @@
-"""Prometheus metrics and the one structured log line per call.
+"""Prometheus metrics and the one structured log line per call, served or refused.
 
 In: the outcome of each proxied call. Out: counters/histograms on `/metrics` (own registry per app,
 so several sidecars can live in one process) and a JSON log line without prompt or output content.
@@ -95,3 +95,11 @@ class Metrics:
                 "error": call.error,
             }
             call_log.info(orjson.dumps(line).decode())
+
+    @staticmethod
+    def refused(rollout: str, route: str, status: int, message: str) -> None:
+        """A call the sidecar answered itself before any upstream saw it: no store holds it, so
+        its line is written whatever `log_calls` says."""
+        line = {"event": "refused", "rollout": rollout[:256], "route": route, "status": status,
+                "error": message[:500]}  # fmt: skip
+        call_log.info(orjson.dumps(line).decode())

@@ -17,7 +17,7 @@ import orjson
 from harnessrl.listener import send_body
 from harnessrl.traces.schema import EndpointKind, policy_version_error
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
-from proxy_sidecar.control import SidecarState, parse_object, read_body
+from proxy_sidecar.control import SidecarState, parse_object, read_body, rollout_of
 from proxy_sidecar.errors import (
     BadRequest,
     NoUpstream,
@@ -41,11 +41,10 @@ _POLICY_HEADER = b"x-harnessrl-policy-version"
 log = logging.getLogger("proxy_sidecar.proxy")
 
 
-def rollout_of(scope: Scope, default: str) -> str:
-    rollout_id = str(scope.get("path_params", {}).get("rollout_id", default))
-    if len(rollout_id) > 256 or not rollout_id.isprintable():
-        raise BadRequest(f"rollout id must be printable and at most 256 chars, got {rollout_id!r}")
-    return rollout_id
+def refuse(state: SidecarState, scope: Scope, route: str, err: SidecarError) -> None:
+    """Log a call refused before it reached an upstream (its answer is the caller's to send)."""
+    rollout = scope.get("path_params", {}).get("rollout_id", state.config.default_rollout)
+    state.metrics.refused(str(rollout), route, err.status, err.message)
 
 
 def watch_disconnect(
@@ -152,21 +151,23 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.time()
-        state = self.state
+        state, config = self.state, self.state.config
         try:
-            raw = await read_body(scope, receive, state.config.max_body_bytes, state.budget)
+            raw = await read_body(
+                scope, receive, config.max_body_bytes, state.budget, config.body_timeout_s
+            )
         except SidecarError as err:
-            await send_error(send, err)
+            await self._refuse(scope, send, err)
             return
         size = len(raw)
         try:  # the body's bytes stay taken from the budget until the call is done
             try:
                 request = parse_object(raw)
                 del raw  # from here on the parsed copy is all the call needs
-                rollout_id = rollout_of(scope, state.config.default_rollout)
+                rollout_id = rollout_of(scope, config.default_rollout)
                 await state.enter()
             except SidecarError as err:
-                await send_error(send, err)
+                await self._refuse(scope, send, err)
                 return
             try:
                 await self._forward(scope, receive, send, request, rollout_id, started)
@@ -174,6 +175,10 @@ class ProxyEndpoint:
                 state.leave()
         finally:
             state.budget.give(size)
+
+    async def _refuse(self, scope: Scope, send: Send, err: SidecarError) -> None:
+        refuse(self.state, scope, self.endpoint.value, err)
+        await send_error(send, err)
 
     async def _forward(
         self,
@@ -185,10 +190,10 @@ class ProxyEndpoint:
         started: float,
     ) -> None:
         state = self.state
-        try:
+        try:  # after the pause: the mode's overrides are those of the weights that will answer
             body = rewrite(request, self.endpoint, state)
         except SidecarError as err:
-            await send_error(send, err)
+            await self._refuse(scope, send, err)
             return
         path = self.path + (
             "?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""

@@ -18,19 +18,26 @@ from harnessrl.listener import send_json
 from harnessrl.traces.parse import CaptureError, StreamAssembler, parse_response
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import build_record, decode_body, error_message
-from proxy_sidecar.control import SidecarState, parse_object, read_body
+from proxy_sidecar.control import SidecarState, parse_object, read_body, rollout_of
 from proxy_sidecar.dialects.call import Completion, Conversation, completion_of
 from proxy_sidecar.dialects.messages import Messages
 from proxy_sidecar.dialects.responses import Responses
 from proxy_sidecar.dialects.sse import SSEReader, TextSplitter
 from proxy_sidecar.dialects.tokens import Prompt, Renderer, TurnLedger, load_tokenizer
-from proxy_sidecar.errors import BadRequest, NotFound, NoUpstream, SidecarError, Unavailable
+from proxy_sidecar.errors import (
+    BadRequest,
+    NotFound,
+    NoUpstream,
+    SidecarError,
+    Unavailable,
+    error_headers,
+)
 from proxy_sidecar.prompts.segments import SegmentCache
 from proxy_sidecar.proxy import (
     read_failure,
+    refuse,
     reported_version,
     response_headers,
-    rollout_of,
     store_call,
     watch_disconnect,
 )
@@ -161,18 +168,21 @@ class DialectEndpoint:
         self.dialect = dialect
 
     async def _error(self, send: Send, err: SidecarError) -> None:
-        headers = []
-        if err.retry_after_s is not None:
-            headers.append((b"retry-after", str(err.retry_after_s).encode()))
-        await send_json(send, err.status, self.dialect.error(err), headers)
+        await send_json(send, err.status, self.dialect.error(err), error_headers(err))
+
+    async def _refuse(self, scope: Scope, send: Send, err: SidecarError) -> None:
+        refuse(self.state, scope, self.dialect.name, err)
+        await self._error(send, err)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.time()
-        state = self.state
+        state, config = self.state, self.state.config
         try:
-            raw = await read_body(scope, receive, state.config.max_body_bytes, state.budget)
+            raw = await read_body(
+                scope, receive, config.max_body_bytes, state.budget, config.body_timeout_s
+            )
         except SidecarError as err:
-            await self._error(send, err)
+            await self._refuse(scope, send, err)
             return
         size = len(raw)
         try:  # the body's bytes stay taken from the budget until the call is done
@@ -184,7 +194,7 @@ class DialectEndpoint:
                 prompt = await self.tokenin.prompt(rollout_id, conv)
                 await state.enter()
             except SidecarError as err:
-                await self._error(send, err)
+                await self._refuse(scope, send, err)
                 return
             try:
                 call = _Call(self, scope, request, rollout_id, conv, prompt, started)
