@@ -21,6 +21,13 @@ from harnessrl.model.config import ModelConfig
 # finite distribution instead of NaN, so padding never poisons gradients.
 MASK_VALUE = -1e30
 
+# Every dot, einsum and matmul of the model states its precision: the operands' dtype (the
+# config's compute_dtype, or float32 where a step always runs in float32) is what gets multiplied,
+# on every backend. A backend's default would round float32 operands first: to TF32 on NVIDIA
+# GPUs since Ampere, to one bfloat16 pass on TPU; CPUs multiply float32 as float32 anyway. For
+# bfloat16 operands HIGHEST is the bf16 product itself: there is nothing finer to round to.
+PRECISION = jax.lax.Precision.HIGHEST
+
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in (at least) float32 whatever the compute dtype (as HF does)."""
@@ -157,7 +164,9 @@ def _probs(q_bkme: jax.Array, k_bkse: jax.Array, mask_bts: jax.Array) -> jax.Arr
     b, kv_heads, m, e = q_bkme.shape
     t, s = mask_bts.shape[1:]
     acc = jnp.promote_types(q_bkme.dtype, jnp.float32)
-    scores_bkms = jnp.einsum("bkme,bkse->bkms", q_bkme, k_bkse, preferred_element_type=acc)
+    scores_bkms = jnp.einsum(
+        "bkme,bkse->bkms", q_bkme, k_bkse, precision=PRECISION, preferred_element_type=acc
+    )
     scores_bkgts = scores_bkms.reshape(b, kv_heads, m // t, t, s) / math.sqrt(e)
     scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, MASK_VALUE)
     return jax.nn.softmax(scores_bkgts, axis=-1).reshape(b, kv_heads, m, s)
@@ -168,14 +177,14 @@ def _attention(
     q_bkme: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_bts: jax.Array
 ) -> jax.Array:
     probs_bkms = _probs(q_bkme, k_bkse, mask_bts).astype(v_bkse.dtype)
-    return jnp.einsum("bkms,bkse->bkme", probs_bkms, v_bkse)
+    return jnp.einsum("bkms,bkse->bkme", probs_bkms, v_bkse, precision=PRECISION)
 
 
 def _attention_fwd(
     q_bkme: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_bts: jax.Array
 ) -> tuple[jax.Array, tuple]:
     probs_bkms = _probs(q_bkme, k_bkse, mask_bts).astype(v_bkse.dtype)
-    out_bkme = jnp.einsum("bkms,bkse->bkme", probs_bkms, v_bkse)
+    out_bkme = jnp.einsum("bkms,bkse->bkme", probs_bkms, v_bkse, precision=PRECISION)
     return out_bkme, (q_bkme, k_bkse, v_bkse, mask_bts, probs_bkms, out_bkme)
 
 
@@ -191,8 +200,10 @@ def _attention_bwd(residuals: tuple, d_out_bkme: jax.Array) -> tuple:
     b, kv_heads, m, e = q_bkme.shape
     t, s = mask_bts.shape[1:]
     acc = jnp.promote_types(q_bkme.dtype, jnp.float32)
-    d_v_bkse = jnp.einsum("bkms,bkme->bkse", probs_bkms, d_out_bkme)
-    d_probs_bkms = jnp.einsum("bkme,bkse->bkms", d_out_bkme, v_bkse, preferred_element_type=acc)
+    d_v_bkse = jnp.einsum("bkms,bkme->bkse", probs_bkms, d_out_bkme, precision=PRECISION)
+    d_probs_bkms = jnp.einsum(
+        "bkme,bkse->bkms", d_out_bkme, v_bkse, precision=PRECISION, preferred_element_type=acc
+    )
     row_bkm1 = jnp.sum(d_out_bkme.astype(acc) * out_bkme.astype(acc), axis=-1, keepdims=True)
     d_scores_bkms = probs_bkms.astype(acc) * (d_probs_bkms - row_bkm1)
     # Masked scores are constants: no gradient, also for fully masked (padding) rows.
@@ -201,8 +212,8 @@ def _attention_bwd(residuals: tuple, d_out_bkme: jax.Array) -> tuple:
     )
     d_scores_bkms = (d_scores_bkgts / math.sqrt(e)).reshape(b, kv_heads, m, s)
     d_scores_bkms = d_scores_bkms.astype(q_bkme.dtype)
-    d_q_bkme = jnp.einsum("bkms,bkse->bkme", d_scores_bkms, k_bkse)
-    d_k_bkse = jnp.einsum("bkms,bkme->bkse", d_scores_bkms, q_bkme)
+    d_q_bkme = jnp.einsum("bkms,bkse->bkme", d_scores_bkms, k_bkse, precision=PRECISION)
+    d_k_bkse = jnp.einsum("bkms,bkme->bkse", d_scores_bkms, q_bkme, precision=PRECISION)
     return d_q_bkme, d_k_bkse, d_v_bkse, None
 
 
@@ -221,7 +232,9 @@ def dense(
     """
     k = math.prod(w.shape[:contract])
     lead, out = x.shape[: x.ndim - contract], w.shape[contract:]
-    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
+    y = jnp.matmul(
+        x.reshape(-1, k), w.reshape(k, -1), precision=PRECISION, preferred_element_type=out_dtype
+    )
     return y.reshape(*lead, *out)
 
 
@@ -256,6 +269,7 @@ def _tied_head_bwd(
         h_btd.reshape(-1, d),
         d_logits_nv,
         (((0,), (0,)), ((), ())),
+        precision=PRECISION,
         preferred_element_type=out_dtype,
     )
     d_embed_vd = jax.lax.optimization_barrier(d_head_dv).T.astype(embed_vd.dtype)

@@ -191,7 +191,7 @@ def dense_project(cfg: ModelConfig, w: dict[str, jax.Array]) -> Project:
         if name == "wo_lhed":
             # An einsum rather than `dense`: its (h, e) accumulation order keeps SmolLM2's float32
             # logits within 1e-4 of transformers', and its backward pass measured no slower.
-            return jnp.einsum("bthe,hed->btd", x, w[name].astype(ct))
+            return jnp.einsum("bthe,hed->btd", x, w[name].astype(ct), precision=attn.PRECISION)
         return attn.dense(x, w[name].astype(ct))
 
     return project
@@ -510,7 +510,7 @@ def bits_head_logits(h_btd: jax.Array, head_bits: jax.Array, *, tied: bool) -> j
 
     def chunk(_: None, start: jax.Array) -> tuple[None, jax.Array]:
         rows = jax.lax.dynamic_slice_in_dim(head_bits, start, HEAD_CHUNK, axis=axis)
-        return None, jnp.einsum(spec, h_btd, widen(rows))
+        return None, jnp.einsum(spec, h_btd, widen(rows), precision=attn.PRECISION)
 
     parts = []
     if whole:
@@ -519,5 +519,5 @@ def bits_head_logits(h_btd: jax.Array, head_bits: jax.Array, *, tied: bool) -> j
         parts.append(jnp.moveaxis(logits_nbtc, 0, 2).reshape(b, t, whole))
     if whole < v:
         tail = jax.lax.slice_in_dim(head_bits, whole, v, axis=axis)
-        parts.append(jnp.einsum(spec, h_btd, widen(tail)))
+        parts.append(jnp.einsum(spec, h_btd, widen(tail), precision=attn.PRECISION))
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]

@@ -176,7 +176,9 @@ def deltanet_out(cfg: Qwen35Config, w: Weights, o_bthv: jax.Array, z_bthv: jax.A
     o_bthv = attn.rms_norm(o_bthv, w["out_norm_lv"], cfg.rms_norm_eps) * jax.nn.silu(
         z_bthv.astype(jnp.float32)
     )
-    return jnp.einsum("bthv,hvd->btd", o_bthv.astype(ct), w["wo_lhvd"].astype(ct))
+    return jnp.einsum(
+        "bthv,hvd->btd", o_bthv.astype(ct), w["wo_lhvd"].astype(ct), precision=attn.PRECISION
+    )
 
 
 def deltanet_layer(cfg: Qwen35Config, w: Weights, x_btd: jax.Array, run_bt: jax.Array) -> jax.Array:
@@ -211,7 +213,7 @@ def attention_out(
 ) -> jax.Array:
     ct = cfg.compute_jnp_dtype
     o_bthe = o_bthe * jax.nn.sigmoid(gate_bthe.astype(jnp.float32)).astype(ct)
-    return jnp.einsum("bthe,hed->btd", o_bthe, w["wo_lhed"].astype(ct))
+    return jnp.einsum("bthe,hed->btd", o_bthe, w["wo_lhed"].astype(ct), precision=attn.PRECISION)
 
 
 class Qwen35Decoder(nnx.Module):

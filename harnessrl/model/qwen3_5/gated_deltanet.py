@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from harnessrl.model.attention import PRECISION
+
 
 def run_ids(segment_ids_bt: jax.Array) -> jax.Array:
     """[b, t] int32: 0 for the first run of equal segment ids in a row, +1 at every change."""
@@ -65,7 +67,7 @@ def unit_lower_inverse(a_xcc: jax.Array) -> jax.Array:
         low_xbss = jnp.moveaxis(diag_xb22, -1, -3)[..., s:, :s]
         pair = inv.reshape(*lead, blocks, 2, s, s)
         x1, x2 = pair[..., 0, :, :], pair[..., 1, :, :]
-        off = -jnp.einsum("...ij,...jk,...kl->...il", x2, low_xbss, x1)
+        off = -jnp.einsum("...ij,...jk,...kl->...il", x2, low_xbss, x1, precision=PRECISION)
         top = jnp.concatenate([x1, jnp.zeros_like(x1)], axis=-1)
         inv = jnp.concatenate([top, jnp.concatenate([off, x2], axis=-1)], axis=-2)
         s *= 2
@@ -115,7 +117,9 @@ def chunked_gated_delta_rule(
     causal_cc = jnp.tril(jnp.ones((chunk, chunk), bool))
     seen_b1ncc = same_b1ncc & causal_cc
     # Log-decay accumulated from the run's first token in this chunk up to i (a segmented cumsum).
-    cum_bhnc = jnp.einsum("bnij,bhnj->bhni", seen_b1ncc[:, 0].astype(f32), g_bhnc)
+    cum_bhnc = jnp.einsum(
+        "bnij,bhnj->bhni", seen_b1ncc[:, 0].astype(f32), g_bhnc, precision=PRECISION
+    )
     diff = cum_bhnc[..., :, None] - cum_bhnc[..., None, :]
     decay_bhncc = jnp.exp(jnp.where(seen_b1ncc, diff, -jnp.inf))  # exp(sum g_{j+1..i}), j <= i
     # Whether token i continues the run that the state entering this chunk belongs to (the
@@ -132,23 +136,27 @@ def chunked_gated_delta_rule(
     kb = k * beta_bhnc[..., None]
     vb = v * beta_bhnc[..., None]
     strict_cc = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    a_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * decay_bhncc * strict_cc
+    a_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", kb, k, precision=PRECISION) * decay_bhncc * strict_cc
     # (I + A) u = beta v and (I + A) w = beta k decayed from the chunk start: the delta rule's
     # corrections within the chunk, resolved at once.
     inv_bhncc = unit_lower_inverse(a_bhncc)
-    u = jnp.einsum("bhnij,bhnjv->bhniv", inv_bhncc, vb)
-    w = jnp.einsum("bhnij,bhnjk->bhnik", inv_bhncc, kb * from_start_bhnc[..., None])
-    intra_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay_bhncc
+    u = jnp.einsum("bhnij,bhnjv->bhniv", inv_bhncc, vb, precision=PRECISION)
+    w = jnp.einsum(
+        "bhnij,bhnjk->bhnik", inv_bhncc, kb * from_start_bhnc[..., None], precision=PRECISION
+    )
+    intra_bhncc = jnp.einsum("bhnik,bhnjk->bhnij", q, k, precision=PRECISION) * decay_bhncc
     q_read = q * from_start_bhnc[..., None]
     k_write = k * to_end_bhnc[..., None]
 
     def step(s_bhkv: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         u_c, w_c, q_c, k_c, intra_c, decay_c = xs
-        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s_bhkv)
-        o_c = jnp.einsum("bhck,bhkv->bhcv", q_c, s_bhkv) + jnp.einsum(
-            "bhij,bhjv->bhiv", intra_c, v_new
+        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s_bhkv, precision=PRECISION)
+        o_c = jnp.einsum("bhck,bhkv->bhcv", q_c, s_bhkv, precision=PRECISION) + jnp.einsum(
+            "bhij,bhjv->bhiv", intra_c, v_new, precision=PRECISION
         )
-        s_bhkv = s_bhkv * decay_c[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new)
+        s_bhkv = s_bhkv * decay_c[..., None, None] + jnp.einsum(
+            "bhck,bhcv->bhkv", k_c, v_new, precision=PRECISION
+        )
         return s_bhkv, o_c
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_read, k_write, intra_bhncc, chunk_decay_bhn))
@@ -178,9 +186,10 @@ def recurrent_gated_delta_rule(
     def step(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         q_t, k_t, v_t, g_t, beta_t, keep_t = xs
         s = s * (jnp.exp(g_t) * keep_t[:, None])[..., None, None]
-        delta_bhv = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
-        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta_bhv)
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        read_bhv = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=PRECISION)
+        delta_bhv = (v_t - read_bhv) * beta_t[..., None]
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta_bhv, precision=PRECISION)
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=PRECISION)
 
     xs = tuple(
         jnp.moveaxis(x.astype(f32), 1, 0)
