@@ -20,6 +20,7 @@ from flax import nnx
 from harnessrl.data.pack import PackedBatch, PackItem, pack_items
 from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
+from harnessrl.engine.steps import DeviceSteps
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.losses import token_logprobs
 from harnessrl.learner.step import Learner
@@ -29,6 +30,7 @@ from harnessrl.serve.config import ServeConfig
 
 # The model tests' float32 bounds (and, for the SmolLM2 tier, their transformers reference).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from hlo_dots import assert_all_highest, dots
 from reference_bounds import EPS32, logprob_reorder_tolerance, reference_bounds
 
 VOCAB, EOS = 96, 95
@@ -591,3 +593,26 @@ def test_an_agent_turn_resumes_from_what_its_last_turn_left_in_the_cache(prefix_
         assert engine.compile_count == compiles
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_serving_programs_multiply_float32_as_float32(weight_dtype: str):
+    """The decode step, a prefill chunk and a packed prefill, as XLA runs them off the CPU
+    kernels (an accelerator), state HIGHEST on every product: the server's float32 is the
+    learner's float32 on every backend. bfloat16 weights are widened to float32 first."""
+    config = dataclasses.replace(CONFIG, cpu_kernels=False, weight_dtype=weight_dtype)
+    steps = DeviceSteps(_model(0), config)
+    n, chunk = config.num_slots, config.prefill_buckets[0]
+    sampling = steps._sampling([(SamplingParams(), np.zeros(2, np.uint32), 0, 0)] * n, n)
+    tokens, positions = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+    ids, where = np.zeros(chunk, np.int32), np.arange(chunk, dtype=np.int32)
+    one, pair = np.int32(0), np.zeros(2, np.int32)
+    programs = [
+        steps._decode.lower(32, steps.state, steps.cache, tokens, positions, sampling),
+        steps._prefill.lower(32, steps.state, steps.cache, one, ids, where, np.int32(chunk - 1)),
+        steps._packed.lower(steps.state, steps.cache, ids, where, ids + 1, ids, pair, pair),
+    ]
+    for lowered in programs:
+        found = dots(lowered)
+        assert_all_highest(found)
+        assert {d.operands for d in found} == {("f32", "f32")}, {d.operands for d in found}

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +21,12 @@ from tinylearn import (
 from harnessrl.data.pack import PackedBatch
 from harnessrl.learner import losses
 from harnessrl.learner.config import LearnerConfig
+from harnessrl.learner.mesh import use_mesh
 from harnessrl.learner.step import Learner
+
+# The model tests' reader of a lowered program's matrix products.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from hlo_dots import assert_all_highest, dots
 
 # Most tests share one small shape and config so the session's compilation cache serves them.
 SMALL = ((8, 32),)
@@ -137,6 +145,26 @@ def test_bf16_params_compute_and_remat_train_close_to_fp32():
     rel = 4 * model_cfg.num_layers * 2.0**-8
     assert abs(m16["loss"] - m32["loss"]) <= rel * loss_scale(batches, LearnerConfig())
     assert np.linalg.norm(flat(g16) - flat(g32)) <= rel * np.linalg.norm(flat(g32))
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_micro_step_multiplies_at_the_configured_compute_dtype(compute_dtype):
+    """The micro-step's forward and backward products state HIGHEST: float32 compute is float32
+    on every backend (not TF32, not one bfloat16 pass), bfloat16 compute multiplies bfloat16."""
+    learner = Learner(tiny_model(), GRADIENT_PROBE.replace(compute_dtype=compute_dtype))
+    batch = PackedBatch.zeros(*SMALL[0])
+    with use_mesh(learner.mesh, learner.rules):
+        lowered = learner._micro.lower(
+            learner.params, learner.ref_params, learner._grads, learner._sums, learner._put(batch)
+        )
+    found = dots(lowered)
+    assert_all_highest(found)
+    operands = {d.operands for d in found}
+    if compute_dtype == "float32":
+        assert operands == {("f32", "f32")}, operands
+    else:  # all but the head's gradient products, which take the float32 logits' gradient
+        wide = [d for d in found if d.operands != ("bf16", "bf16")]
+        assert len(wide) == 2 and len(found) > 10 * len(wide), wide
 
 
 def test_layer_scan_unroll_is_automatic_on_cpu_and_does_not_change_the_gradient():
