@@ -134,14 +134,20 @@ def test_every_slice_recipe_loads_and_is_consistent():
 
 
 def test_slice_recipe_is_validated_against_visible_devices():
-    cfg = mesh_lib.load_slice_config("cpu")  # validates against this machine: passes
-    assert cfg.platform == "cpu"
-    mesh = mesh_lib.make_mesh("cpu")
-    assert mesh.shape["data"] == jax.device_count()
+    # The host's CPU devices, present beside any accelerator (which would be JAX's default).
+    cpu = jax.devices("cpu")
+    cfg = mesh_lib.load_slice_config("cpu", check_devices=False)
+    assert cfg.platform == "cpu" and mesh_lib.validate_slice(cfg, cpu)["data"] == len(cpu)
+    assert mesh_lib.make_mesh("cpu", cpu).shape["data"] == len(cpu)
+    v5e = mesh_lib.load_slice_config("v5e-8", check_devices=False)
     with pytest.raises(ValueError, match=r"platform 'tpu'.*JAX sees \['cpu'\]"):
-        mesh_lib.load_slice_config("v5e-8")
+        mesh_lib.validate_slice(v5e, cpu)
     with pytest.raises(ValueError, match="platform 'gpu'"):
-        mesh_lib.make_mesh("8xH100")
+        mesh_lib.make_mesh("8xH100", cpu)
+    # Loading checks against the devices JAX sees by default: a recipe for another platform fails.
+    visible = jax.devices()[0].platform
+    with pytest.raises(ValueError, match=rf"JAX sees \['{visible}'\]"):
+        mesh_lib.load_slice_config("cpu" if visible == "tpu" else "v5e-8")
     with pytest.raises(ValueError, match="not found"):
         mesh_lib.load_slice_config("v9z-4")
 
