@@ -1,17 +1,20 @@
 """Injection webhook: a mutating admission webhook that adds the capture sidecar to harness pods.
 
-In: AdmissionReview v1 requests for pods labelled `harnessrl.io/inject: "true"`. Out: a response
-whose JSON patch adds the native sidecar (an init container with `restartPolicy: Always`) and env.
+In: AdmissionReview v1 requests (at most 3 MiB) for pods labelled `harnessrl.io/inject: "true"`.
+Out: a response whose JSON patch (`jsonpatch.make_patch`, from the pod to the pod as it must run)
+adds the native sidecar (an init container with `restartPolicy: Always`) and env.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
 
+import jsonpatch
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -29,6 +32,8 @@ SIDECAR_LABEL = "harnessrl.io/sidecar"
 SHARED_VOLUME = "harnessrl-sidecar-shared"
 UPSTREAM_KEY_ENV = "HARNESSRL_UPSTREAM_API_KEY"
 DEFAULT_IMAGE = "ghcr.io/harnessrl/harnessrl:0.1.0"
+# The API server caps request bodies at 3 MiB, so no real review is larger; past it, 413.
+MAX_REVIEW_BYTES = 3 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -150,12 +155,13 @@ def sidecar_volumes(spec: SidecarSpec) -> list[dict[str, Any]]:
     return [{"name": SHARED_VOLUME, "persistentVolumeClaim": claim}]
 
 
-def _list(items: Any) -> list[Any]:
-    return items if isinstance(items, list) else []
+def _obj(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else an empty one: reviews are read, never trusted."""
+    return value if isinstance(value, dict) else {}
 
 
 def _objects(items: Any) -> list[dict[str, Any]]:
-    return [i for i in _list(items) if isinstance(i, dict)]
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
 
 
 def secret_readers(pod_spec: dict[str, Any], secret: str) -> list[str]:
@@ -164,20 +170,18 @@ def secret_readers(pod_spec: dict[str, Any], secret: str) -> list[str]:
     volumes = {
         v.get("name")
         for v in _objects(pod_spec.get("volumes"))
-        if (v.get("secret") or {}).get("secretName") == secret
+        if _obj(v.get("secret")).get("secretName") == secret
         or any(
-            (s.get("secret") or {}).get("name") == secret
-            for s in (v.get("projected") or {}).get("sources") or []
+            _obj(s.get("secret")).get("name") == secret
+            for s in _objects(_obj(v.get("projected")).get("sources"))
         )
     }
     out = []
     for c in _objects(pod_spec.get("initContainers")) + _objects(pod_spec.get("containers")):
         if c.get("name") == SIDECAR_NAME:
             continue
-        refs = [
-            (e.get("valueFrom") or {}).get("secretKeyRef") or {} for e in _objects(c.get("env"))
-        ]
-        refs += [e.get("secretRef") or {} for e in _objects(c.get("envFrom"))]
+        refs = [_obj(_obj(e.get("valueFrom")).get("secretKeyRef")) for e in _objects(c.get("env"))]
+        refs += [_obj(e.get("secretRef")) for e in _objects(c.get("envFrom"))]
         mounts = {m.get("name") for m in _objects(c.get("volumeMounts"))}
         if any(r.get("name") == secret for r in refs) or mounts & volumes:
             out.append(str(c.get("name")))
@@ -195,15 +199,15 @@ def harness_env(spec: SidecarSpec, rollout_id: str | None = None) -> list[dict[s
 
 def owns(pod: Any) -> bool:
     """Only pods that opted in through the label are ever touched."""
-    if not isinstance(pod, dict):
-        return False
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    return isinstance(labels, dict) and labels.get(INJECT_LABEL) == "true"
+    labels = _obj(_obj(pod).get("metadata")).get("labels")
+    return _obj(labels).get(INJECT_LABEL) == "true"
 
 
-def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
-    """RFC 6902 operations that inject the sidecar; empty when the pod already has everything."""
-    pod_spec = pod.get("spec")
+def injected(pod: dict[str, Any], spec: SidecarSpec) -> dict[str, Any]:
+    """The pod as it must run (`pod` itself is left as it is): the sidecar first among its init
+    containers, every container pointed at it, no API token; a ValueError says why not."""
+    out = copy.deepcopy(pod)
+    pod_spec = out.get("spec")
     if not isinstance(pod_spec, dict) or not isinstance(pod_spec.get("containers"), list):
         raise ValueError("pod has no spec.containers list")
     if pod_spec.get("shareProcessNamespace"):
@@ -211,24 +215,13 @@ def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
             "shareProcessNamespace would let the harness read the sidecar's secrets from /proc; "
             "remove it from the pod"
         )
-    ops = _token_ops(pod_spec)  # first: removals by index, before anything shifts them
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    # Without an explicit rollout id each pod is its own rollout, named after the pod (unique in
-    # its namespace; known only at run time for generateName pods, hence the downward API).
-    field = ROLLOUT_FROM_ANNOTATION if ROLLOUT_ANNOTATION in annotations else "metadata.name"
-    sidecar = sidecar_container(spec, field)
-    inits = pod_spec.get("initContainers")
-    if inits is None:
-        ops.append({"op": "add", "path": "/spec/initContainers", "value": [sidecar]})
-    elif not isinstance(inits, list):
+    inits = pod_spec.setdefault("initContainers", [])
+    if not isinstance(inits, list):
         raise ValueError("pod spec.initContainers is not a list")
-    elif not any(isinstance(c, dict) and c.get("name") == SIDECAR_NAME for c in inits):
-        # First, so that the harness's own init containers can already reach the model.
-        ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
     for i, container in enumerate(pod_spec["containers"]):
         if not isinstance(container, dict):
             raise ValueError(f"pod spec.containers[{i}] is not an object")
-        ops.extend(_env_ops(f"/spec/containers/{i}", container.get("env"), spec))
+        _point_at_sidecar(container, f"/spec/containers/{i}", spec)
     secrets = (spec.store_secret, spec.control_secret, spec.upstream_key_secret)
     for secret in filter(None, secrets):  # checked once the containers are known to be objects
         if readers := secret_readers(pod_spec, secret):
@@ -236,91 +229,72 @@ def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
                 f"containers {readers} read Secret {secret!r}, which only the capture sidecar "
                 "may hold (a harness with it could bypass or forge the capture); remove that"
             )
-    ops.extend(_pod_ops(pod, spec))
-    if ops:
-        ops.extend(_annotation_ops(pod))
+    _drop_api_token(pod_spec)
+    meta = out["metadata"]  # owns(): a mapping, with a labels mapping
+    if not any(c.get("name") == SIDECAR_NAME for c in _objects(inits)):
+        # Without an explicit rollout id each pod is its own rollout, named after the pod
+        # (unique in its namespace; known only at run time for generateName pods, hence the
+        # downward API). First, so that the harness's own init containers reach the model.
+        named = ROLLOUT_ANNOTATION in _obj(meta.get("annotations"))
+        inits.insert(
+            0, sidecar_container(spec, ROLLOUT_FROM_ANNOTATION if named else "metadata.name")
+        )
+    names = {v.get("name") for v in _objects(pod_spec.get("volumes"))}
+    if extra := [v for v in sidecar_volumes(spec) if v["name"] not in names]:
+        volumes = pod_spec.setdefault("volumes", [])
+        if not isinstance(volumes, list):
+            raise ValueError("pod spec.volumes is not a list")
+        volumes += extra
+    # The NetworkPolicies of k8s/base select the label; the harness must not read the sidecar's
+    # Secrets through the API server.
+    pod_spec["automountServiceAccountToken"] = False
+    meta["labels"][SIDECAR_LABEL] = "true"
+    if out != pod:
+        if not isinstance(meta.get("annotations"), dict):
+            meta["annotations"] = {}
+        meta["annotations"][INJECTED_ANNOTATION] = SIDECAR_NAME
+    return out
+
+
+def build_patch(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
+    """The RFC 6902 patch from `pod` to `injected(pod)`; empty when the pod has everything."""
+    ops: list[dict[str, Any]] = jsonpatch.make_patch(pod, injected(pod, spec)).patch
     return ops
 
 
-def _env_ops(path: str, env: Any, spec: SidecarSpec) -> list[dict[str, Any]]:
-    wanted = harness_env(spec)
+def _point_at_sidecar(container: dict[str, Any], path: str, spec: SidecarSpec) -> None:
+    env = container.get("env")
     if env is None:
-        return [{"op": "add", "path": f"{path}/env", "value": wanted}]
+        env = container["env"] = []
     if not isinstance(env, list):
         raise ValueError(f"{path}/env is not a list")
     index = {e.get("name"): j for j, e in enumerate(env) if isinstance(e, dict)}
-    ops: list[dict[str, Any]] = []
-    for var in wanted:
+    for var in harness_env(spec):
         j = index.get(var["name"])
         if j is None:
-            ops.append({"op": "add", "path": f"{path}/env/-", "value": var})
-        elif var["name"] == "OPENAI_BASE_URL" and env[j] != var:
+            env.append(var)
+        elif var["name"] == "OPENAI_BASE_URL":
             # Capture is the point of the label: the base URL must go through the sidecar.
-            ops.append({"op": "replace", "path": f"{path}/env/{j}", "value": var})
+            env[j] = var
         # A harness's own OPENAI_API_KEY is kept: the sidecar ignores it, some SDKs insist on one.
-    return ops
 
 
-def _token_ops(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
+def _drop_api_token(pod_spec: dict[str, Any]) -> None:
     """Remove the API token the ServiceAccount admission plugin mounted before this webhook ran
     (automountServiceAccountToken: false comes too late to stop it)."""
-    volumes = pod_spec.get("volumes")
-    if not isinstance(volumes, list):
-        return []
     tokens = {
-        v.get("name"): i
-        for i, v in enumerate(volumes)
-        if isinstance(v, dict)
-        and any(
-            "serviceAccountToken" in s for s in _objects((v.get("projected") or {}).get("sources"))
+        v.get("name")
+        for v in _objects(pod_spec.get("volumes"))
+        if any(
+            "serviceAccountToken" in s for s in _objects(_obj(v.get("projected")).get("sources"))
         )
     }
-    ops: list[dict[str, Any]] = []
-    for kind in ("initContainers", "containers"):
-        containers = pod_spec.get(kind)
-        for i, c in enumerate(containers if isinstance(containers, list) else []):
-            mounts = c.get("volumeMounts") if isinstance(c, dict) else None
-            named = [isinstance(m, dict) and m.get("name") in tokens for m in _list(mounts)]
-            for j in reversed([j for j, hit in enumerate(named) if hit]):
-                ops.append({"op": "remove", "path": f"/spec/{kind}/{i}/volumeMounts/{j}"})
-    for i in sorted(tokens.values(), reverse=True):
-        ops.append({"op": "remove", "path": f"/spec/volumes/{i}"})
-    return ops
-
-
-def _pod_ops(pod: dict[str, Any], spec: SidecarSpec) -> list[dict[str, Any]]:
-    """The sidecar's volumes, the label the NetworkPolicies select, and no API token: the harness
-    must not read the sidecar's Secrets through the API server."""
-    pod_spec, ops = pod["spec"], list[dict[str, Any]]()
-    volumes = pod_spec.get("volumes")
-    names = {v.get("name") for v in _objects(volumes)}
-    for volume in sidecar_volumes(spec):
-        if volumes is None:
-            ops.append({"op": "add", "path": "/spec/volumes", "value": [volume]})
-            volumes = [volume]
-        elif volume["name"] not in names:
-            ops.append({"op": "add", "path": "/spec/volumes/-", "value": volume})
-    if pod_spec.get("automountServiceAccountToken") is not False:
-        ops.append({"op": "add", "path": "/spec/automountServiceAccountToken", "value": False})
-    labels = pod.get("metadata", {}).get("labels")  # owns(): the inject label is there
-    if labels.get(SIDECAR_LABEL) != "true":
-        ops.append(
-            {"op": "add", "path": f"/metadata/labels/{_escape(SIDECAR_LABEL)}", "value": "true"}
-        )
-    return ops
-
-
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")  # RFC 6901
-
-
-def _annotation_ops(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    meta = pod.get("metadata") or {}
-    note = {INJECTED_ANNOTATION: SIDECAR_NAME}
-    if not isinstance(meta.get("annotations"), dict):
-        return [{"op": "add", "path": "/metadata/annotations", "value": note}]
-    path = f"/metadata/annotations/{_escape(INJECTED_ANNOTATION)}"
-    return [{"op": "add", "path": path, "value": SIDECAR_NAME}]
+    if not tokens:
+        return
+    pod_spec["volumes"] = [v for v in pod_spec["volumes"] if _obj(v).get("name") not in tokens]
+    for c in _objects(pod_spec.get("initContainers")) + _objects(pod_spec.get("containers")):
+        if isinstance(c.get("volumeMounts"), list):
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if _obj(m).get("name") not in tokens]
 
 
 def review_response(review: Any, spec: SidecarSpec) -> dict[str, Any]:
@@ -336,10 +310,14 @@ def review_response(review: Any, spec: SidecarSpec) -> dict[str, Any]:
         raise ValueError("AdmissionReview.request.uid is missing")
     response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
     pod = request.get("object")
-    is_pod = (request.get("kind") or {}).get("kind") == "Pod" and not request.get("subResource")
+    is_pod = _obj(request.get("kind")).get("kind") == "Pod" and not request.get("subResource")
     if is_pod and request.get("operation") == "CREATE" and isinstance(pod, dict) and owns(pod):
         try:
-            ops = build_patch(pod, spec)
+            try:
+                ops = build_patch(pod, spec)
+                patch = json.dumps(ops).encode()
+            except RecursionError as err:  # parsed by the C decoder, too deep to copy here
+                raise ValueError("the pod is nested too deeply to be patched") from err
         except ValueError as err:
             # An opted-in pod that cannot get its sidecar would run unrecorded: refuse it loudly.
             response["allowed"] = False
@@ -347,16 +325,36 @@ def review_response(review: Any, spec: SidecarSpec) -> dict[str, Any]:
             ops = []
         if ops:
             response["patchType"] = "JSONPatch"
-            response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+            response["patch"] = base64.b64encode(patch).decode()
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
 async def mutate(request: Request) -> Response:
+    """Bad reviews get a 400 (413 past `MAX_REVIEW_BYTES`) whose JSON says why, never a 500."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REVIEW_BYTES:
+        return _refused(413, f"AdmissionReview over {MAX_REVIEW_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REVIEW_BYTES:  # sent without a length: stop reading it here
+            return _refused(413, f"AdmissionReview over {MAX_REVIEW_BYTES} bytes")
     try:
-        review = json.loads(await request.body())
+        review = json.loads(body)
+    except RecursionError:
+        return _refused(400, "body is nested too deeply to be an AdmissionReview")
+    except ValueError as err:  # UnicodeDecodeError included
+        return _refused(400, f"body is not JSON: {err}")
+    try:
         return JSONResponse(review_response(review, request.app.state.spec))
-    except (ValueError, UnicodeDecodeError) as err:
-        return JSONResponse({"error": str(err)}, status_code=400)
+    except ValueError as err:
+        return _refused(400, str(err))
+
+
+def _refused(status: int, message: str) -> Response:
+    # Connection closed: after a 413 the rest of the body is left unread.
+    headers = {"connection": "close"} if status == 413 else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 async def healthz(request: Request) -> Response:

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonpatch
 import kubernetes_validate
 import pytest
 import yaml
 from guarded_vllm import DEV_ROUTES, GUARD, KEY, GuardedVllm, guard_module
-from pod_patch import apply_patch
 
 from harnessrl.config import load_config
 from harnessrl.fleet.serving import remote_serving
@@ -148,7 +148,7 @@ def injected_pod(base: list[dict[str, Any]], **spec_fields: Any) -> dict[str, An
     pod["spec"].update(spec_fields)
     out = review_response(review, webhook_spec(base))["response"]
     assert out["allowed"], out
-    patched: dict[str, Any] = apply_patch(pod, json.loads(base64.b64decode(out["patch"])))
+    patched: dict[str, Any] = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(out["patch"])))
     return patched
 
 

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonpatch
 import pytest
 import uvicorn
 import yaml
 from guarded_vllm import KEY, SERVED, GuardedVllm
-from pod_patch import apply_patch
 
 from harnessrl.config import load_config
 from harnessrl.rollout.k8s import job_manifest
@@ -155,7 +155,7 @@ def injected_pod(spec: Any) -> dict[str, Any]:
         "request": {"uid": "u1", "kind": {"kind": "Pod"}, "operation": "CREATE", "object": pod},
     }  # fmt: skip
     ops = json.loads(base64.b64decode(review_response(review, spec)["response"]["patch"]))
-    patched: dict[str, Any] = apply_patch(pod, ops)
+    patched: dict[str, Any] = jsonpatch.apply_patch(pod, ops)
     return patched
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import json
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonpatch
 import kubernetes_validate
 import pytest
-from pod_patch import apply_patch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from proxy_sidecar.inject.webhook import (
@@ -56,7 +59,7 @@ def test_job_pod_gets_native_sidecar_and_env() -> None:
     review = load("pod_job_labelled.json")
     resp, ops = mutate(review)
     assert resp["allowed"] is True and ops
-    pod = apply_patch(review["request"]["object"], ops)
+    pod = jsonpatch.apply_patch(review["request"]["object"], ops)
     inits = pod["spec"]["initContainers"]
     assert [c["name"] for c in inits] == [SIDECAR_NAME]
     sidecar = inits[0]
@@ -96,7 +99,7 @@ def test_job_pod_gets_native_sidecar_and_env() -> None:
 def test_existing_init_containers_and_env_are_kept() -> None:
     review = load("pod_labelled_with_init.json")
     _, ops = mutate(review)
-    pod = apply_patch(review["request"]["object"], ops)
+    pod = jsonpatch.apply_patch(review["request"]["object"], ops)
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [SIDECAR_NAME, "fetch-repo"]
     sidecar_env = {e["name"]: e for e in pod["spec"]["initContainers"][0]["env"]}
     # No rollout-id annotation: the pod is its own rollout, named after the pod.
@@ -121,7 +124,7 @@ def test_existing_init_containers_and_env_are_kept() -> None:
 def test_second_invocation_changes_nothing(name: str) -> None:
     review = load(name)
     _, ops = mutate(review)
-    patched = apply_patch(review["request"]["object"], ops)
+    patched = jsonpatch.apply_patch(review["request"]["object"], ops)
     again = copy.deepcopy(review)
     again["request"]["object"] = patched
     resp, ops2 = mutate(again)
@@ -253,7 +256,9 @@ def test_a_tokenizer_folder_must_be_on_the_sidecars_shared_claim() -> None:
     assert SidecarSpec(tokenizer="smollm2").sees("smollm2")  # a name: nothing to mount
     review = load("pod_job_labelled.json")
     out = review_response(review, spec)["response"]
-    pod = apply_patch(review["request"]["object"], json.loads(base64.b64decode(out["patch"])))
+    pod = jsonpatch.apply_patch(
+        review["request"]["object"], json.loads(base64.b64decode(out["patch"]))
+    )
     (sidecar,) = pod["spec"]["initContainers"]
     assert sidecar["args"][-2:] == ["--tokenizer", "/shared/models/base"]
     (mount,) = sidecar["volumeMounts"]
@@ -263,3 +268,125 @@ def test_a_tokenizer_folder_must_be_on_the_sidecars_shared_claim() -> None:
     assert not any(c.get("volumeMounts") for c in pod["spec"]["containers"])  # the harness: none
     again = review_response({**review, "request": {**review["request"], "object": pod}}, spec)
     assert "patch" not in again["response"]  # reinvocation adds nothing twice
+
+
+def _call(
+    app: Any, chunks: list[bytes], headers: list[tuple[bytes, bytes]]
+) -> tuple[int, Any, int]:
+    """POST /mutate straight into the ASGI app: status, JSON body, and the chunks it read."""
+    read = 0
+    sent: dict[str, Any] = {}
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        read += 1
+        more = read < len(chunks)
+        return {"type": "http.request", "body": chunks[read - 1], "more_body": more}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.setdefault(message["type"], message)
+
+    scope = {"type": "http", "method": "POST", "path": "/mutate", "raw_path": b"/mutate",
+             "query_string": b"", "headers": headers, "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 443), "client": ("127.0.0.1", 1), "root_path": ""}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    status = sent["http.response.start"]["status"]
+    return status, json.loads(sent["http.response.body"]["body"]), read
+
+
+def test_reviews_past_the_api_servers_body_cap_are_refused_unread() -> None:
+    """A 200 MB review was read whole (791 MiB peak): now 413 at 3 MiB, with or without a length."""
+    app = create_app(SPEC)
+    chunk = b" " * (1 << 20)
+    status, body, read = _call(app, [chunk] * 200, [(b"content-length", b"209715200")])
+    assert (status, read) == (413, 0) and "3145728 bytes" in body["error"]
+    status, body, read = _call(app, [chunk] * 200, [])  # chunked: read up to the cap only
+    assert (status, read) == (413, 4) and "AdmissionReview over" in body["error"]
+    review = json.dumps(load("pod_job_labelled.json")).encode()
+    status, body, _ = _call(app, [review[:100], review[100:]], [])
+    assert status == 200 and body["response"]["allowed"] is True
+
+
+def test_deep_or_malformed_reviews_get_a_well_formed_answer() -> None:
+    """Never a plain-text 500: a 400 with a JSON reason, or a denial for an opted-in pod."""
+    client = TestClient(create_app(SPEC), raise_server_exceptions=False)
+    for content in (b"[" * 100_000, b"\xff\xfe", b'{"kind": "AdmissionReview"}', b"[]"):
+        r = client.post("/mutate", content=content)
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), content[:20]
+    review = load("pod_job_labelled.json")
+    review["request"]["object"]["spec"]["x"] = json.loads("[" * 900 + "]" * 900)
+    r = client.post("/mutate", content=json.dumps(review))  # parses, too deep to copy
+    assert r.status_code == 200
+    resp = r.json()["response"]
+    assert resp["allowed"] is False and "too deeply" in resp["status"]["message"]
+    review["request"]["kind"] = "Pod"  # a string where an object belongs: not a pod review
+    r = client.post("/mutate", content=json.dumps(review))
+    assert r.status_code == 200 and r.json()["response"]["allowed"] is True
+
+
+KEYS = st.sampled_from(
+    ["c", "OPENAI_BASE_URL", "harnessrl-store", "kube-api-access-x", SIDECAR_NAME]
+)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2) | KEYS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def shaped(**fields: Any) -> Any:
+    """An object with some of `fields`, or any JSON value in its place."""
+    return st.fixed_dictionaries({}, optional=fields) | JSON
+
+
+def items(of: Any) -> Any:
+    return st.lists(of, max_size=3) | JSON
+
+
+NAMED = shaped(name=KEYS)
+CONTAINER = shaped(
+    name=KEYS,
+    env=items(shaped(name=KEYS, value=JSON, valueFrom=shaped(secretKeyRef=NAMED))),
+    envFrom=items(shaped(secretRef=NAMED)),
+    volumeMounts=items(NAMED),
+)
+VOLUME = shaped(
+    name=KEYS,
+    secret=shaped(secretName=KEYS),
+    projected=shaped(sources=items(shaped(secret=NAMED, serviceAccountToken=JSON))),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    spec=st.fixed_dictionaries(
+        {"containers": st.lists(CONTAINER, max_size=3)},
+        optional={
+            "initContainers": items(CONTAINER),
+            "volumes": items(VOLUME),
+            "shareProcessNamespace": JSON,
+        },
+    ),
+    annotations=JSON,
+)
+def test_any_opted_in_pod_is_injected_or_refused_with_a_reason(
+    spec: dict[str, Any], annotations: Any
+) -> None:
+    """Whatever shapes a pod's fields have: a patch that applies and puts the sidecar first, or
+    a denial that says why; never an exception."""
+    pod = {"metadata": {"labels": {"harnessrl.io/inject": "true"}, "annotations": annotations},
+           "spec": spec}  # fmt: skip
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": "u", "kind": {"kind": "Pod"}, "operation": "CREATE",
+                          "object": pod}}  # fmt: skip
+    resp = review_response(review, SPEC)["response"]
+    if not resp["allowed"]:
+        assert resp["status"]["message"].startswith("harnessrl injection: ")
+        return
+    patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(resp["patch"])))
+    assert patched["spec"]["initContainers"][0]["name"] == SIDECAR_NAME
+    assert all(
+        {"name": "OPENAI_BASE_URL", "value": f"{SPEC.url}/v1"} in c["env"]
+        for c in patched["spec"]["containers"]
+    )
+    assert patched["spec"]["automountServiceAccountToken"] is False
