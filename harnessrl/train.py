@@ -366,6 +366,7 @@ def update(run: Run, step: int, rollouts: RoundResult) -> dict[str, Any]:
         "runs_failed": rollouts.failed,
         "runs_timed_out": rollouts.timed_out,
         "runs_trained": s.runs_trained,
+        "runs_over_budget": s.over_budget_runs,  # dropped whole, past data.step_token_budget
         "excluded": s.excluded,
         "calls_per_run": rollouts.calls / max(1, len(rollouts.results)),
         "seqs_per_run": s.merge.sequences / max(1, s.runs_trained),

@@ -1,15 +1,19 @@
 """Benchmark: learner forward+backward+AdamW tokens/s on SmolLM2, against PyTorch in the same run.
 
 Full train steps (one packed `[rows, len]` micro-batch + apply) per numerics variant. Every timed
-round runs, back to back: a probe of the machine's matmul peak (large jitted `a @ b` in each
-compute dtype), one of our steps, and one step of the PyTorch baseline (transformers' model on the
-same weights and batch: forward, the same clipped policy-gradient loss, backward, global-norm
-clipping, `torch.optim.AdamW`, float32). A shared host's speed drifts by tens of percent over
-minutes, so each step is compared with the peak and the torch step of the same moment. All
-figures are wall-clock (the time a user waits), medians over the rounds. Model FLOPs per token
-follow the PaLM accounting: 6 x matmul params + 12 x layers x heads x head_dim x len. Last line:
-`learner: tokens_per_s=<x> vs_torch=<r> peak_fraction=<f> compiles=<n>` for the best variant,
-where vs_torch is ours over torch tokens/s (> 1: we are faster); `--no-torch` leaves it out.
+round runs, back to back: a matmul probe (large jitted `a @ b` in each compute dtype, the faster
+one's rate), one of our steps, and one step of the PyTorch baseline in the variant's compute dtype
+(transformers' model on the same weights and batch: forward, the same clipped policy-gradient
+loss, backward, global-norm clipping, `torch.optim.AdamW`; float32 master weights, matmuls under
+bf16 autocast for a bf16 variant). A shared host's speed drifts by tens of percent over minutes,
+so each step is compared with the probe and the torch step of the same moment. All figures are
+wall-clock (the time a user waits), medians over the rounds. Model FLOPs per token follow the
+PaLM accounting: 6 x matmul params + 12 x layers x heads x head_dim x len; the matmul probe
+fraction is those FLOP/s over the probe's, not an MFU: the probe is not the chip's peak, and the
+PaLM count includes attention work a causal kernel skips, so it can pass 1. Last line:
+`learner: tokens_per_s=<x> vs_torch=<r> matmul_probe_fraction=<f> dtype=<d> compiles=<n>` for
+the variant with the highest fraction, where vs_torch is its tokens/s over torch's in the same
+compute dtype `dtype` (> 1: we are faster); `--no-torch` leaves vs_torch out.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 LEARNING_RATE = 1e-6
 LOSS_ARRAYS = ("loss_mask", "behavior_logprobs", "advantages", "token_weights")
 MIN_LENGTH = 40  # packed_batch cuts rows at positions in [16, length - 16)
+TORCH_AUTOCAST = {"float32": False, "bfloat16": True}  # compute dtype -> torch bf16 autocast
 TORCH_MISSING = (
     "the PyTorch baseline needs torch, a dev extra: pip install -e '.[dev]' (or "
     "pip install torch --index-url https://download.pytorch.org/whl/cpu); "
@@ -70,8 +75,9 @@ def measure(fn: Callable[[], object], amount: float, repeats: int) -> Rate:
     )
 
 
-def matmul_peak(dtype: str, size: int = 2048, repeats: int = 10) -> Rate:
-    """Best sustained rate of one jitted square matmul on the default device."""
+def matmul_probe(dtype: str, size: int = 2048, repeats: int = 10) -> Rate:
+    """Best sustained rate of one jitted square matmul on the default device (a yardstick for
+    this moment's host speed, not the chip's peak)."""
     dt = jnp.dtype(dtype)
     a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), dt)
     f = jax.jit(lambda x, y: x @ y)
@@ -80,10 +86,10 @@ def matmul_peak(dtype: str, size: int = 2048, repeats: int = 10) -> Rate:
     return Rate(max(r.wall for r in runs), max(r.cpu for r in runs))
 
 
-def machine_peak(size: int = 2048) -> Rate:
-    """The best matmul rate right now, whichever compute dtype gives it."""
-    peaks = [matmul_peak(dt, size, repeats=4) for dt in ("float32", "bfloat16")]
-    return Rate(max(p.wall for p in peaks), max(p.cpu for p in peaks))
+def best_probe(size: int = 2048) -> Rate:
+    """The best matmul probe rate right now, whichever compute dtype gives it."""
+    probes = [matmul_probe(dt, size, repeats=4) for dt in ("float32", "bfloat16")]
+    return Rate(max(p.wall for p in probes), max(p.cpu for p in probes))
 
 
 def packed_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -127,7 +133,9 @@ def torch_logprobs(reference: Any, batch: dict[str, np.ndarray]) -> tuple[Any, A
         input_ids=ids,
         position_ids=torch.from_numpy(batch["positions"].astype(np.int64)),
         attention_mask=allowed[:, None],
-    ).logits  # the model's dtype: float32 here, float64 for a reference run
+    ).logits  # the model's dtype (float64 for a reference run); bfloat16 under bf16 autocast
+    # Softmax and logits stay float32 in a bf16 step, as ours do (LearnerConfig.compute_dtype).
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp_all = torch.log_softmax(logits, dim=-1)
     # Position t scores token t+1; shifting the ids, not the logits, avoids a [b, t, v] copy.
     next_ids = torch.roll(ids, -1, dims=1)
@@ -156,11 +164,17 @@ def torch_loss(reference: Any, batch: dict[str, np.ndarray], cfg: LearnerConfig)
 
 
 def torch_train_step(
-    reference: Any, batch: dict[str, np.ndarray], cfg: LearnerConfig
+    reference: Any, batch: dict[str, np.ndarray], cfg: LearnerConfig, dtype: str = "float32"
 ) -> Callable[[], None]:
-    """One torch step doing our step's work: loss, backward, global-norm clip, AdamW."""
+    """One torch step doing our step's work: loss, backward, global-norm clip, AdamW.
+
+    `dtype` is the compute dtype, as `LearnerConfig.compute_dtype`: bfloat16 runs the forward
+    and loss under CPU bf16 autocast (matmuls in bf16, weights and AdamW float32)."""
     import torch
 
+    if dtype not in TORCH_AUTOCAST:
+        raise ValueError(f"dtype must be one of {sorted(TORCH_AUTOCAST)}, got {dtype!r}")
+    autocast = TORCH_AUTOCAST[dtype]
     reference.train()
     optimizer = torch.optim.AdamW(
         reference.parameters(),
@@ -171,7 +185,9 @@ def torch_train_step(
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        torch_loss(reference, batch, cfg).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = torch_loss(reference, batch, cfg)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.grad_clip_norm)
         optimizer.step()
 
@@ -181,8 +197,9 @@ def torch_train_step(
 @dataclasses.dataclass(frozen=True)
 class Run:
     name: str
+    dtype: str  # compute dtype, ours and torch's alike
     tokens: Rate  # median tokens per wall / CPU second
-    fraction: Rate  # median of each step's model FLOP/s over the peak probed just before it
+    fraction: Rate  # median of each step's model FLOP/s over the matmul probe run just before it
     compile_s: float
     compiles: int
     torch_tokens: float | None  # median torch tokens per wall second, same rounds
@@ -204,6 +221,7 @@ def time_variant(
     peak_size: int,
     torch_step: Callable[[], None] | None,
 ) -> Run:
+    """One variant's timed rounds; `torch_step` must run the variant's compute dtype."""
     learner = Learner(model, LearnerConfig(learning_rate=LEARNING_RATE, **VARIANTS[name]))
     micro = [PackedBatch(**batch)]
     start = time.perf_counter()
@@ -213,11 +231,11 @@ def time_variant(
     n = batch["tokens"].size
     rates, fractions, torch_rates = [], [], []
     for _ in range(steps):
-        peak = machine_peak(peak_size)
+        probe = best_probe(peak_size)
         rate = measure(lambda: learner.train_step(micro), n, 1)
         rates.append(rate)
         fractions.append(
-            Rate(rate.wall * flops_per_token / peak.wall, rate.cpu * flops_per_token / peak.cpu)
+            Rate(rate.wall * flops_per_token / probe.wall, rate.cpu * flops_per_token / probe.cpu)
         )
         if torch_step is not None:
             torch_rates.append(measure(torch_step, n, 1).wall)
@@ -226,6 +244,7 @@ def time_variant(
     ratios = [ours.wall / theirs for ours, theirs in pairs]
     return Run(
         name,
+        VARIANTS[name]["compute_dtype"],
         median_rate(rates),
         median_rate(fractions),
         compile_s,
@@ -235,23 +254,48 @@ def time_variant(
     )
 
 
-def torch_baseline(model: Any, batch: dict[str, np.ndarray]) -> Callable[[], None]:
-    """The warmed-up torch step, on every core this process may run on (as XLA's pool is)."""
+def torch_baseline(model: Any, batch: dict[str, np.ndarray], dtype: str) -> Callable[[], None]:
+    """The warmed-up torch step in compute dtype `dtype`, on every core this process may run on
+    (as XLA's pool is)."""
     import torch
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(threads or 1)
-    step = torch_train_step(
-        torch_reference(model), batch, LearnerConfig(learning_rate=LEARNING_RATE)
-    )
+    cfg = LearnerConfig(learning_rate=LEARNING_RATE)
+    step = torch_train_step(torch_reference(model), batch, cfg, dtype)
     step()  # warm-up: allocates AdamW's moments and the autograd buffers
+    compute = "bf16 autocast over float32 weights" if TORCH_AUTOCAST[dtype] else "float32"
     print(
-        f"torch baseline: torch {torch.__version__}, {torch.get_num_threads()} threads (every core "
-        "this process may use); transformers model on the same weights and batch, sdpa attention "
-        "with the packed segments' mask, same loss, clip_grad_norm_, torch.optim.AdamW, float32, "
-        "1 warm-up step"
+        f"torch baseline ({dtype}): torch {torch.__version__}, {torch.get_num_threads()} threads "
+        "(every core this process may use); transformers model on the same weights and batch, "
+        "sdpa attention with the packed segments' mask, same loss, clip_grad_norm_, "
+        f"torch.optim.AdamW, {compute}, 1 warm-up step"
     )
     return step
+
+
+def time_variants(
+    names: Sequence[str],
+    model: Any,
+    batch: dict[str, np.ndarray],
+    args: argparse.Namespace,
+    flops_per_token: float,
+) -> list[Run]:
+    """Every variant against the torch baseline of its own compute dtype. Each baseline is built
+    when a variant first needs it and dropped after the last one (a copy of the weights, its
+    gradients and AdamW's moments each)."""
+    dtypes = [VARIANTS[name]["compute_dtype"] for name in names]
+    baselines: dict[str, Callable[[], None]] = {}
+    runs = []
+    for i, (name, dtype) in enumerate(zip(names, dtypes, strict=True)):
+        if not args.no_torch and dtype not in baselines:
+            baselines[dtype] = torch_baseline(model, batch, dtype)
+        step = baselines.get(dtype)
+        run = time_variant(name, model, batch, args.steps, flops_per_token, args.peak_size, step)
+        runs.append(report(run))
+        if dtype not in dtypes[i + 1 :]:
+            baselines.pop(dtype, None)
+    return runs
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -290,9 +334,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     devices = jax.devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind}; XLA uses every core")
     for dt in ("float32", "bfloat16"):
-        p = matmul_peak(dt, args.peak_size)
+        p = matmul_probe(dt, args.peak_size)
         print(
-            f"matmul peak {dt}: {p.wall / 1e9:.1f} GFLOP/s wall, {p.cpu / 1e9:.1f} per CPU-second"
+            f"matmul probe {dt} ({args.peak_size}^3): {p.wall / 1e9:.1f} GFLOP/s wall, "
+            f"{p.cpu / 1e9:.1f} per CPU-second"
         )
     loaded = load_model(args.model)
     cfg = loaded.config
@@ -306,28 +351,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"model: {cfg.num_layers} layers, d={cfg.hidden_size}; {fpt / 1e9:.3f} GFLOP/token; "
         f"micro-batch {args.rows}x{args.length}; {args.steps} timed rounds per variant"
     )
-    torch_step = None if args.no_torch else torch_baseline(loaded.model, batch)
-    runs = [
-        report(time_variant(name, loaded.model, batch, args.steps, fpt, args.peak_size, torch_step))
-        for name in names
-    ]
+    runs = time_variants(names, loaded.model, batch, args, fpt)
     best = max(runs, key=lambda run: run.fraction.wall)
-    print(f"best: {best.name} (highest wall-clock fraction of the peak probed beside each step)")
-    vs = "" if best.vs_torch is None else f" vs_torch={best.vs_torch:.2f}"
     print(
-        f"learner: tokens_per_s={best.tokens.wall:.1f}{vs} "
-        f"peak_fraction={best.fraction.wall:.3f} compiles={best.compiles}"
+        f"best: {best.name} (highest wall-clock fraction of the matmul probe run beside each step)"
+    )
+    print(final_line(best))
+
+
+def final_line(run: Run) -> str:
+    vs = "" if run.vs_torch is None else f" vs_torch={run.vs_torch:.2f}"
+    return (
+        f"learner: tokens_per_s={run.tokens.wall:.1f}{vs} "
+        f"matmul_probe_fraction={run.fraction.wall:.3f} dtype={run.dtype} compiles={run.compiles}"
     )
 
 
 def report(run: Run) -> Run:
     torch_part = ""
     if run.vs_torch is not None:
-        torch_part = f"  torch {run.torch_tokens:7.1f} tokens/s  vs_torch={run.vs_torch:.2f}"
+        torch_part = (
+            f"  torch ({run.dtype}) {run.torch_tokens:7.1f} tokens/s  vs_torch={run.vs_torch:.2f}"
+        )
     print(
-        f"{run.name:>11}: {run.tokens.wall:7.1f} tokens/s  peak_fraction wall={run.fraction.wall:.3f} "
-        f"(per CPU-second {run.fraction.cpu:.3f}){torch_part}  compile {run.compile_s:.0f} s  "
-        f"compiles={run.compiles}"
+        f"{run.name:>11}: {run.tokens.wall:7.1f} tokens/s  matmul_probe_fraction "
+        f"wall={run.fraction.wall:.3f} (per CPU-second {run.fraction.cpu:.3f}){torch_part}  "
+        f"compile {run.compile_s:.0f} s  compiles={run.compiles}"
     )
     return run
 

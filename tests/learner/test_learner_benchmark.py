@@ -29,7 +29,8 @@ from harnessrl.model.formats.hf_import import hf_from_params
 REPO = Path(__file__).resolve().parents[2]
 FINAL = re.compile(
     r"learner: tokens_per_s=(?P<tps>\S+) vs_torch=(?P<vs>\S+) "
-    r"peak_fraction=(?P<frac>\S+) compiles=(?P<compiles>\d+)"
+    r"matmul_probe_fraction=(?P<frac>\S+) dtype=(?P<dtype>float32|bfloat16) "
+    r"compiles=(?P<compiles>\d+)"
 )
 # Two float32 implementations of the same math differ from a float64 run by a few ulps each,
 # summed in different orders; 8x the reference's own float32 error (floored at one ulp of the
@@ -67,9 +68,11 @@ def bound(reference32: np.ndarray, reference64: np.ndarray) -> float:
 
 
 def test_cli_final_line_reports_vs_torch(tiny_folder: Path, xla_cache_env: dict[str, str]) -> None:
+    """Each variant is set against PyTorch in its own compute dtype, and the last line names the
+    dtype of the variant it reports."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **xla_cache_env}
     cmd = [sys.executable, "-m", "harnessrl.benchmarks.learner", "--model", str(tiny_folder)]
-    cmd += ["--rows", "2", "--length", "64", "--steps", "2", "--variants", "fp32"]
+    cmd += ["--rows", "2", "--length", "64", "--steps", "2", "--variants", "fp32,bf16"]
     proc = subprocess.run(
         [*cmd, "--peak-size", "128"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
@@ -82,9 +85,17 @@ def test_cli_final_line_reports_vs_torch(tiny_folder: Path, xla_cache_env: dict[
         assert math.isfinite(value) and value > 0, f"{key}={match[key]}"
     assert int(match["compiles"]) == 2  # one micro-step shape plus the apply
     threads = len(os.sched_getaffinity(0))
-    assert any(f"{threads} threads" in line for line in lines), proc.stdout
-    row = next(line for line in lines if line.lstrip().startswith("fp32:"))
-    assert f"vs_torch={match['vs']}" in row
+    baselines = [line for line in lines if line.startswith("torch baseline")]
+    assert len(baselines) == 2 and all(f"{threads} threads" in b for b in baselines), proc.stdout
+    assert "(float32)" in baselines[0] and "(bfloat16)" in baselines[1]
+    assert "bf16 autocast" in baselines[1] and "autocast" not in baselines[0]
+    rows = {
+        v: next(ln for ln in lines if ln.lstrip().startswith(f"{v}:")) for v in ("fp32", "bf16")
+    }
+    assert "torch (float32)" in rows["fp32"] and "torch (bfloat16)" in rows["bf16"], rows
+    best = next(line for line in lines if line.startswith("best: ")).split()[1]
+    assert match["dtype"] == bench.VARIANTS[best]["compute_dtype"]
+    assert f"vs_torch={match['vs']}" in rows[best]
 
 
 def test_torch_logprobs_match_the_learner_on_packed_rows() -> None:
@@ -139,6 +150,34 @@ def test_torch_train_step_updates_like_adamw() -> None:
         assert 0 < moved <= cfg.learning_rate * (1 + 1e-3), name
 
 
+@pytest.mark.parametrize(
+    ("dtype", "matmul"), [("float32", torch.float32), ("bfloat16", torch.bfloat16)]
+)
+def test_torch_train_step_computes_in_the_variants_dtype(dtype: str, matmul: torch.dtype) -> None:
+    """A bf16 variant's baseline runs its matmuls in bf16 (autocast) over float32 weights, with
+    float32 logprobs, as our bf16 step does; a float32 one stays float32 throughout."""
+    model = tiny_decoder()
+    batch = near_policy_batch(model, seed=5)
+    reference = torch_reference(model)
+    seen: dict[str, torch.dtype] = {}
+    layer = reference.model.layers[0].mlp.down_proj
+    layer.register_forward_hook(lambda _m, _i, out: seen.update(matmul=out.dtype))
+    original = bench.torch_logprobs
+
+    def logprobs(ref: object, b: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        logp, entropy = original(ref, b)
+        seen.setdefault("logprobs", logp.dtype)
+        return logp, entropy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "torch_logprobs", logprobs)
+        bench.torch_train_step(reference, batch, LearnerConfig(learning_rate=1e-3), dtype)()
+    assert seen == {"matmul": matmul, "logprobs": torch.float32}
+    assert {p.dtype for p in reference.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="got 'float16'"):
+        bench.torch_train_step(reference, batch, LearnerConfig(), "float16")
+
+
 def test_no_torch_drops_vs_torch(
     tiny_folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,7 +185,9 @@ def test_no_torch_drops_vs_torch(
     argv = ["--model", str(tiny_folder), "--rows", "2", "--length", "64", "--steps", "1"]
     bench.main([*argv, "--variants", "fp32", "--peak-size", "64", "--no-torch"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(r"learner: tokens_per_s=\S+ peak_fraction=\S+ compiles=2", last), last
+    assert re.fullmatch(
+        r"learner: tokens_per_s=\S+ matmul_probe_fraction=\S+ dtype=float32 compiles=2", last
+    ), last
 
 
 def test_missing_torch_names_the_fix(

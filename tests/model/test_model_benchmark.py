@@ -13,13 +13,34 @@ import pytest
 from flax import nnx
 
 from harnessrl.benchmarks.model import qwen35_flops_per_token
+from harnessrl.model.config import ModelConfig
+from harnessrl.model.decoder import Decoder
+from harnessrl.model.formats.export import export_hf
 from harnessrl.model.formats.load import QWEN35_SHAPES
 from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = re.compile(
-    r"^model: tokens_per_s=(\d+\.\d) peak_fraction=(\d+\.\d{3}) vs_torch=(\d+\.\d\d)$"
+    r"^model: tokens_per_s=(\d+\.\d) matmul_probe_fraction=(\d+\.\d{3}) vs_torch=(\d+\.\d\d)$"
 )
+
+
+def test_last_line_names_the_matmul_probe_fraction(
+    tmp_path: Path, xla_cache_env: dict[str, str]
+) -> None:
+    """The figure is the step's model FLOP/s over a matmul probe's (which it can exceed), named
+    so: it is not a fraction of the chip's peak."""
+    folder = export_hf(Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "tiny")
+    argv = [sys.executable, "-m", "harnessrl.benchmarks.model", "--model", str(folder),
+            "--rows", "1", "--length", "16", "--repeats", "1", "--peak-size", "64", "--no-torch"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **xla_cache_env}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    m = re.fullmatch(r"model: tokens_per_s=(\d+\.\d) matmul_probe_fraction=(\d+\.\d{3})", lines[-1])
+    assert m, f"last line is {lines[-1]!r}"
+    assert float(m[1]) > 0 and float(m[2]) > 0
+    assert any(line.startswith("matmul probe float32: ") and "64^3" in line for line in lines)
 
 
 def test_9b_shape_is_qwen35_9b_text_model() -> None:
