@@ -274,7 +274,10 @@ HELP: dict[str, str] = {
     "data.adv_eps": "added to the std before dividing",
     "data.drop_zero_variance": "skip groups whose runs all got the same reward",
     "data.loss_mode": "token_mean | sequence_mean | run_mean | constant normalization",
-    "data.step_token_budget": "runs past this many tokens wait in the store (a recipe's budget)",
+    "data.step_token_budget": (
+        "a step's token cap (a recipe's budget): runs past it are dropped whole, not trained "
+        "later; counted as runs_over_budget"
+    ),
     "learner.entropy_coef": "entropy bonus weight",
     "learner.learning_rate": "peak AdamW learning rate",
     "learner.warmup_steps": "linear warmup steps",

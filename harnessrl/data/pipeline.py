@@ -34,7 +34,7 @@ class DataConfig:
     max_segments_per_row: int = 32
     length_policy: str = LengthPolicy.SPLIT  # for sequences longer than the largest bucket
     split_overlap: int = 64  # context ids repeated at the head of each later chunk
-    step_token_budget: int | None = None  # runs past this many tokens wait in the store
+    step_token_budget: int | None = None  # runs past this many tokens are dropped, whole
     estimator: str = Estimator.GRPO
     std_normalize: bool = True
     adv_eps: float = 1e-6
@@ -98,7 +98,7 @@ class StepStats:
     runs: int = 0
     runs_trained: int = 0  # runs with at least one packed token
     excluded: dict[str, int] = field(default_factory=dict)  # reason -> runs
-    over_budget_runs: int = 0
+    over_budget_runs: int = 0  # dropped: past step_token_budget
     merge: MergeStats = field(default_factory=MergeStats)
     break_causes: dict[str, int] = field(default_factory=dict)
     split_sequences: int = 0
@@ -143,7 +143,9 @@ def _merge_runs(
             seqs = truncate_sequences(seqs, cfg.max_len, result.stats)
         size = sum(len(s.tokens) for s in seqs)
         if cfg.step_token_budget is not None and used + size > cfg.step_token_budget:
-            stats.over_budget_runs += 1  # left in the store; never half a run
+            # Dropped whole, never half a run, and never trained later: by the next step the
+            # policy has moved on, and its advantages were taken against this step's group.
+            stats.over_budget_runs += 1
             continue
         used += size
         stats.merge.add(result.stats)

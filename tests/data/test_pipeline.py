@@ -91,14 +91,14 @@ def test_run_mean_equalizes_a_run_that_broke_into_many_sequences():
     assert w[adv > 0].sum() == pytest.approx(0.5) and w[adv < 0].sum() == pytest.approx(0.5)
 
 
-def test_failed_runs_excluded_and_budget_defers_whole_runs():
+def test_failed_runs_excluded_and_budget_drops_whole_runs():
     calls = {f"r{i}": [make_call(f"r{i}", 0, [1, 2, 3], [[4] * 10])] for i in range(4)}
     runs = [make_run("r0", "g", 1.0), make_run("r1", "g", 0.0), make_run("r2", "g", 0.5)]
     runs.append(make_run("r3", "g", None, RolloutState.FAILED))
     batch = build_step(0, StepTraces(runs, calls), DataConfig(step_token_budget=30))
     assert batch.stats.excluded == {"failed": 1}
     assert batch.stats.over_budget_runs == 1 and batch.stats.runs_trained == 2
-    assert sum(b.num_tokens for b in batch.micro_batches) == 26
+    assert sum(b.num_tokens for b in batch.micro_batches) == 26  # two whole runs of 13
 
 
 def test_truncate_policy_counts_what_it_cuts():
