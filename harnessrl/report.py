@@ -1,7 +1,8 @@
 """What the user sees: per-step metrics as a live rich display, JSONL, TensorBoard and a PNG plot.
 
 In: one flat dict of numbers per step (and per eval) from the train loop. Out: `metrics.jsonl`,
-TensorBoard event files, console lines, and at the end `reward.png` of train and eval reward.
+TensorBoard event files, console lines (an eval's with the best held-out reward so far and its
+step), and at the end `reward.png` of train and eval reward with the best eval marked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("pass_rate", "pass", "{:.0%}"),
     ("resolved_rate", "resolved", "{:.0%}"),  # coding runs: share of all runs the grader resolved
     ("eval_reward", "eval", "{:.3f}"),
+    ("eval_reward_best", "best", "{:.3f}"),  # the best held-out eval so far...
+    ("best_step", "at step", "{:.0f}"),  # ...and the step it came at
     ("eval_resolved_rate", "eval resolved", "{:.0%}"),
     ("runs_failed", "failed", "{:.0f}"),
     ("calls_per_run", "turns", "{:.1f}"),  # model calls per run
@@ -136,8 +139,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def plot_rewards(records: list[dict[str, Any]], out_png: str | Path) -> Path:
-    """Train reward per step and held-out eval reward as a PNG (matplotlib, no display needed)."""
+def plot_rewards(
+    records: list[dict[str, Any]],
+    out_png: str | Path,
+    best: tuple[int | None, float | None] = (None, None),
+) -> Path:
+    """Train reward per step and held-out eval reward as a PNG (matplotlib, no display needed);
+    `best`: (step, reward) of the best eval, marked and named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,6 +164,9 @@ def plot_rewards(records: list[dict[str, Any]], out_png: str | Path) -> Path:
         )
     if evals:
         ax.plot(*zip(*evals, strict=True), marker="o", linewidth=2, label="held-out eval reward")
+    if best[0] is not None and best[1] is not None:
+        label = best_label(best[0], best[1])
+        ax.plot([best[0]], [best[1]], marker="*", markersize=16, linestyle="none", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
@@ -166,3 +177,8 @@ def plot_rewards(records: list[dict[str, Any]], out_png: str | Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def best_label(step: int, reward: float) -> str:
+    """How the plot's legend names the best held-out eval."""
+    return f"best held-out eval {reward:.3f} at step {step}"

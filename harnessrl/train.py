@@ -1,8 +1,9 @@
 """`python -m harnessrl.train`: reinforcement learning through an unchanged harness.
 
 In: a config (`--config FILE.yaml`, `key=value` overrides; no flags = the embedded CPU run). Out,
-under `run.out_dir`: traces (SQLite), metrics.jsonl + TensorBoard, checkpoints, reward.png, and an
-HF export of the final weights. The loop: rollouts → rewards → packed arrays → update → swap.
+under `run.out_dir`: traces (SQLite), metrics.jsonl + TensorBoard, checkpoints (the best held-out
+eval's kept beside the latest), reward.png, and HF exports of the final and the best weights. The
+loop: rollouts → rewards → packed arrays → update → swap.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from harnessrl.fleet import (
     served_tokenizer,
 )
 from harnessrl.host_memory import keep_freed_memory
+from harnessrl.learner.checkpoint import KEEP_KEY
 from harnessrl.learner.hosts import LeadLearner, follow
 from harnessrl.learner.mesh import init_distributed, logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.plan import check_fits
@@ -196,7 +198,7 @@ def setup(cfg: TrainConfig, started: float) -> Run:
         serving.stop()  # nothing may outlive a failed start
         raise
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
-    position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0}
+    position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0, **NO_BEST}
     run = Run(
         cfg, out, store, learner, serving, capture, launcher, evaluate, log, train_tasks,
         eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
@@ -394,16 +396,33 @@ def swap_weights(run: Run) -> float:
     return time.monotonic() - t0
 
 
-def evaluate(run: Run, step: int) -> float:
-    """Held-out reward: every eval task, eval_runs_per_task runs, failed runs counted as 0."""
+# The best held-out eval so far, in the resume position: its loop step, reward, and the policy
+# version (learner step) it scored, whose checkpoint is kept (KEEP_KEY) and exported to hf-best/.
+NO_BEST: dict[str, Any] = {"best_step": None, "best_eval_reward": None, KEEP_KEY: None}
+
+
+def evaluate(run: Run, step: int) -> dict[str, Any]:
+    """Held-out reward: every eval task, eval_runs_per_task runs, failed runs counted as 0,
+    sampled with the sidecars' eval overrides (greedy by default). Returns eval_reward,
+    eval_reward_best and best_step (`step` itself when this eval is a new best)."""
     run.log.phase(f"eval at step {step}")
-    result = play(run, run.eval_tasks, f"e{step}", run.cfg.rollout.eval_runs_per_task)
+    with run.capture.evaluating():
+        result = play(run, run.eval_tasks, f"e{step}", run.cfg.rollout.eval_runs_per_task)
     reward = result.reward_mean(failed_as=0.0)
     run.last_eval_s = result.duration_s
+    best = run.position.get("best_eval_reward")
+    if best is None or reward > best:  # ties keep the earlier step
+        run.position.update(best_step=step, best_eval_reward=reward)
+        run.position[KEEP_KEY] = run.learner.step
+    scores = {
+        "eval_reward": reward,
+        "eval_reward_best": run.position["best_eval_reward"],
+        "best_step": run.position["best_step"],
+    }
     run.log.log(
         {
             "step": step,
-            "eval_reward": reward,
+            **scores,
             "eval_pass_rate": result.pass_rate,
             "eval_runs_failed": result.failed,
             "t_eval": result.duration_s,
@@ -411,7 +430,14 @@ def evaluate(run: Run, step: int) -> float:
         },
         kind="eval",
     )
-    return reward
+    return scores
+
+
+def keep_best(run: Run, step: int) -> None:
+    """After a new best eval at `step`: its checkpoint (kept beside the latest) and hf-best/."""
+    checkpoint(run, step, force=True)
+    if run.cfg.run.export_hf:
+        run.learner.export_hf(run.out / "hf-best", run.tokenizer)
 
 
 def checkpoint(run: Run, step: int, force: bool = False) -> None:
@@ -435,7 +461,8 @@ def train(run: Run) -> None:
     """Steps from the resume point to run.steps; async overlaps the next rollouts with the update."""
     cfg = run.cfg.run
     if run.position["eval_start"] is None:
-        run.position["eval_start"] = evaluate(run, 0)
+        run.position["eval_start"] = evaluate(run, 0)["eval_reward"]
+        keep_best(run, 0)  # the first eval is the best so far
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
     pending: Future[RoundResult] | None = None
     first, loop_start = int(run.position["step"]), time.monotonic()
@@ -443,20 +470,24 @@ def train(run: Run) -> None:
         for step in range(first, cfg.steps):
             done = step - first
             last = step + 1 == cfg.steps or (done > 0 and not time_for_two(run, done, loop_start))
+            eval_due = (step + 1) % cfg.eval_every == 0 or last
             run.log.phase(f"step {step + 1}: rollouts", completed=step)
             rollouts = (pending or pool.submit(collect, run, step)).result()
             pending = None
-            if cfg.loop == "async" and not last:
+            if cfg.loop == "async" and not eval_due:
                 # Runs while this step updates; with max_staleness=0, only its runs whose every
-                # call came after the swap are trained, the others are dropped as stale.
+                # call came after the swap are trained, the others are dropped as stale. Not
+                # beside an eval: the sidecar samples all its calls in eval mode meanwhile.
                 pending = pool.submit(collect, run, step + 1)
             run.log.phase(f"step {step + 1}: update")
             metrics = update(run, step, rollouts)
             run.log.phase(f"step {step + 1}: weight swap")
             metrics["t_swap"] = swap_weights(run) if "learner_step" in metrics else 0.0
-            if (step + 1) % cfg.eval_every == 0 or last:
-                metrics["eval_reward"] = evaluate(run, step + 1)
+            if eval_due:
+                metrics.update(evaluate(run, step + 1))
             run.log.log(metrics)
+            if eval_due and metrics["best_step"] == step + 1:
+                keep_best(run, step + 1)
             checkpoint(run, step + 1, force=last)
             if last:
                 break
@@ -488,16 +519,18 @@ def time_for_two(run: Run, done: int, loop_start: float) -> bool:
 
 
 def finish(run: Run) -> str:
-    """Export, plot, and the one-line summary."""
+    """Export, plot, and the one-line summary (the best eval's weights are in hf-best/)."""
     run.log.phase("export and plot", completed=run.cfg.run.steps)
     if run.cfg.run.export_hf:
         run.learner.export_hf(run.out / "hf", run.tokenizer)
     records = read_metrics(run.out / "metrics.jsonl")
-    plot_rewards(records, run.out / "reward.png")
+    best_step, best = run.position["best_step"], run.position["best_eval_reward"]
+    plot_rewards(records, run.out / "reward.png", best=(best_step, best))
     evals = [r["eval_reward"] for r in records if r.get("kind") == "eval"]
     start = run.position["eval_start"] if run.position["eval_start"] is not None else evals[0]
     return (
         f"train: eval_reward_start={start:.3f} eval_reward_end={evals[-1]:.3f} "
+        f"eval_reward_best={best:.3f} best_step={best_step} "
         f"steps={run.position['step']} minutes={minutes(run):.1f}"
     )
 
@@ -506,7 +539,7 @@ def clear_outputs(out: Path) -> None:
     """A fresh start: remove a previous run's outputs in out_dir (never anything else)."""
     for name in ("metrics.jsonl", "reward.png", "traces.db", "traces.db-wal", "traces.db-shm"):
         (out / name).unlink(missing_ok=True)
-    for name in ("tb", "checkpoints", "hf"):
+    for name in ("tb", "checkpoints", "hf", "hf-best"):
         shutil.rmtree(out / name, ignore_errors=True)
 
 

@@ -49,3 +49,20 @@ def test_plot_rewards(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no train or eval records"):
         plot_rewards([], tmp_path / "empty.png")
+
+
+def test_the_eval_line_and_the_plot_name_the_best_eval_and_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = {"kind": "eval", "step": 4, "eval_reward": 0.25, "eval_reward_best": 0.5}
+    line = format_line({**record, "best_step": 2})
+    assert line == "eval step   4 | eval 0.250 | best 0.500 | at step 2"
+    import matplotlib.pyplot as plt
+
+    figures: list = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its legend
+    records = [{"kind": "eval", "step": s, "eval_reward": r} for s, r in ((0, 0.2), (2, 0.5))]
+    plot_rewards(records, tmp_path / "reward.png", best=(2, 0.5))
+    legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    assert "best held-out eval 0.500 at step 2" in legend
+    figures[0].clf()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FINAL = re.compile(r"^train: eval_reward_start=\S+ eval_reward_end=\S+ steps=(\d+) minutes=\S+$")
+FINAL = re.compile(r"^train: eval_reward_start=\S+ eval_reward_end=\S+ .*steps=(\d+) minutes=\S+$")
 
 
 @pytest.mark.skipif(

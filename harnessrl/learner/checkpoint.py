@@ -1,21 +1,35 @@
 """Learner stage: checkpoints through orbax's CheckpointManager (async writes, keep-N).
 
 In: the learner's sharded params and optimizer state plus a small JSON record (step,
-data-iterator position). Out: a step directory per save; restore returns arrays placed on the
-shardings the caller asks for. A save interrupted by a crash is never picked up by restore:
+data-iterator position). Out: a step directory per save (the latest `keep`, plus the one a
+position names under `keep_step`: the train loop's best eval); restore returns arrays placed on
+the shardings the caller asks for. A save interrupted by a crash is never picked up by restore:
 orbax commits a step only once every file is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 STATE_ITEM = "state"  # params + optimizer state (sharded arrays)
 META_ITEM = "meta"  # JSON: step, data position
+KEEP_KEY = "keep_step"  # a data position's step kept beside the latest ones
+
+
+@dataclasses.dataclass
+class KeepStep:
+    """An orbax preservation policy: keeps the one checkpoint `step` (None: none)."""
+
+    step: int | None = None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
+        return [c.step == self.step for c in checkpoints]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +47,10 @@ class Checkpointer:
         if not isinstance(keep, int) or keep <= 0:
             raise ValueError(f"keep={keep!r} must be a positive integer (checkpoints to retain)")
         self.directory = Path(directory).absolute()
+        self._kept = KeepStep()
+        latest = keep_policy.LatestN(n=keep)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            preservation_policy=keep_policy.AnyPreservationPolicy([latest, self._kept]),
             enable_async_checkpointing=async_save,
             create=True,
             cleanup_tmp_directories=True,  # leftovers of a save that a crash cut short
@@ -50,7 +66,12 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, params: Any, opt_state: Any, data_position: Any = None) -> None:
-        """Start writing step `step`; returns once the arrays are copied off the device."""
+        """Start writing step `step`; returns once the arrays are copied off the device.
+
+        A dict `data_position` with an int under KEEP_KEY keeps that step from now on, however
+        many newer ones come (one such step at a time: the latest save's)."""
+        if isinstance(data_position, dict) and data_position.get(KEEP_KEY) is not None:
+            self._kept.step = int(data_position[KEEP_KEY])
         meta = {"step": int(step), "data_position": data_position}
         state = {"params": params, "opt_state": opt_state}
         args = ocp.args.Composite(
