@@ -47,7 +47,9 @@ class SidecarSpec:
     control_secret: str = "harnessrl-control"  # Secret whose key `token` guards the control API
     api_key: str = "harnessrl"  # what the harness sends; the sidecar does not check it
     cpu: str = "250m"  # sidecar CPU request
-    memory: str = "256Mi"  # sidecar memory request and limit
+    # sidecar memory request and limit: its peak at the default body limits, under the heaviest
+    # bodies, was 554 MiB (docs/sidecar.md, "Bounded memory"); more with a tokenizer
+    memory: str = "768Mi"
     # The harness's model name is rewritten to this, whatever it asks for: vLLM 404s any name
     # but its --served-model-name
     model: str = ""  # model name every call is sent upstream with; "": the harness's own

@@ -157,3 +157,22 @@ def test_every_field_survives_the_command_line(
         **fields,
     )
     assert parse_args(to_argv(config, skip=("control_token",)), env={}) == config
+
+
+def test_every_flag_in_the_docs_is_one_the_command_line_takes() -> None:
+    """docs/sidecar.md's configuration table, flag by flag, names a key of the command line;
+    booleans take their value as the loader spells them (`--log-calls false`)."""
+    import pathlib
+    import re
+
+    from harnessrl.cli import resolve
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "sidecar.md").read_text()
+    table = doc.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    flags = re.findall(r"`(--[a-z-]+)", "\n".join(rows))
+    assert "--log-calls" in flags and "--body-timeout-s" in flags
+    for flag in flags:
+        resolve(SidecarConfig, flag, {"upstream": ("upstreams",)})  # unknown: ConfigError
+    cfg = parse_args(["--upstream", "http://a:1", "--log-calls", "false"], env={})
+    assert cfg.log_calls is False and SidecarConfig().log_calls is True
