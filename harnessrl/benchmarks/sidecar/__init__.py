@@ -3,10 +3,13 @@ through the LiteLLM proxy, against one local vLLM-dialect upstream, in the same 
 
 `python -m harnessrl.benchmarks.sidecar [--quick]`. Prints a table per scenario (1 and 32
 concurrent clients, non-streaming and streaming) and ends with
-`sidecar: overhead_p50_ms=.. overhead_p99_ms=.. litellm_overhead_ratio=.. lost=..` where the
-overheads are the sidecar's added latency (p50/p99 of through-sidecar minus direct, one client,
-non-streaming, capture and durable SQLite storage on) and the ratio is LiteLLM's added p50 over
-ours. `lost` counts 200 responses through a sidecar whose call is missing from its store.
+`sidecar: overhead_p50_ms=.. overhead_p99_ms=.. litellm_overhead_ratio=.. lost=..`. Every request
+is sent through every path in turn (direct, each sidecar, LiteLLM; the order rotating), so each
+path's added latency is per request: that request through it minus the same request direct, and
+the overheads are percentiles of those paired differences (one client, non-streaming, capture and
+durable SQLite storage on; p50 and p99). The ratio is LiteLLM's added p50 over ours. `lost` counts
+200 responses through a sidecar whose call is missing from its store. The LiteLLM proxy comes
+with the dev extra; a peer that cannot start stops the benchmark with its output.
 
 Token-in rows follow (tokenin.py): an agent loop's growing conversation at about 1k and
 16k tokens (each call adds the function call the sidecar answered and its output) as Responses and
@@ -16,7 +19,7 @@ the same conversation, one client, non-streaming. The last line adds, per contex
 `tokenin_p50_ms` / `tokenin_p99_ms` (Responses through the sidecar minus the upstream's
 completions on the same token-id prompt), `messages_p50_ms`, `passthrough_p50_ms` /
 `passthrough_p99_ms` (chat through the sidecar minus chat direct) and `tokenin_ratio` (the p50s'
-ratio).
+ratio), each a percentile of the per-call differences at the same conversation step.
 """
 
 from __future__ import annotations
@@ -160,10 +163,56 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+@dataclass
+class Peer:
+    """A process the benchmark started, its stdout and stderr kept in `log`."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: str
+    url: str = ""  # where it listens
+
+    def output(self, limit: int = 6000) -> str:
+        with open(self.log, "rb") as f:
+            return f.read().decode(errors="replace")[-limit:]
+
+    def failed(self, why: str) -> PeerFailed:
+        return PeerFailed(f"{self.name} {why}; its output:\n{self.output()}")
+
+    def stop(self) -> None:
+        """Terminates it if it still runs and reaps it either way."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class PeerFailed(RuntimeError):
+    """A server the benchmark needs did not come up; the message carries its output."""
+
+
+def spawn(
+    name: str, args: list[str], logs: str, url: str = "", env: dict[str, str] | None = None
+) -> Peer:
+    log = os.path.join(logs, f"{name}.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    return Peer(name, proc, log, url)
+
+
+async def wait_ready(url: str, peer: Peer | None = None, timeout_s: float = 120.0) -> None:
+    """Until `url` answers below 500. A `peer` that exits first (it is reaped) or is still not
+    answering at the deadline raises `PeerFailed` with its output."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
+            if peer is not None and (code := peer.proc.poll()) is not None:
+                raise peer.failed(f"exited with status {code} before answering {url}")
             try:
                 async with session.get(url) as r:
                     if r.status < 500:
@@ -171,6 +220,8 @@ async def wait_ready(url: str, timeout_s: float = 120.0) -> None:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.2)
+    if peer is not None:
+        raise peer.failed(f"did not answer {url} in {timeout_s:.0f} s")
     raise RuntimeError(f"{url} did not come up in {timeout_s}s")
 
 
@@ -179,12 +230,17 @@ class Target:
     name: str
     base: str  # .../v1
     ok: int = 0
+    # Per scenario, each request's latency (ms) in the order sent; the same index on every target
+    # of a run is the same request (`run_paired`).
     lat: dict[str, list[float]] = field(default_factory=dict)
 
 
-async def run_clients(
-    target: Target, label: str, clients: int, per_client: int, stream: bool
+async def run_paired(
+    targets: list[Target], label: str, clients: int, per_client: int, stream: bool
 ) -> None:
+    """`clients` concurrent clients, each sending `per_client` requests, every request through
+    every target in turn (the order rotating request by request, so neither position favours a
+    target); request i's latencies are appended to every target's `lat[label]` together."""
     body = orjson.dumps(
         {
             "model": "smol",
@@ -193,30 +249,34 @@ async def run_clients(
             "stream": stream,
         }
     )
-    url = target.base + "/chat/completions"
     headers = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
-    lat: list[float] = []
+    samples: list[dict[str, float]] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def one() -> None:
+        async def one(target: Target) -> float:
             t0 = time.perf_counter()
+            url = target.base + "/chat/completions"
             async with session.post(url, data=body, headers=headers) as r:
                 async for _ in r.content.iter_any():
                     pass
                 if r.status != 200:
                     raise RuntimeError(f"{target.name}: HTTP {r.status}")
-            lat.append((time.perf_counter() - t0) * 1000)
             target.ok += 1
+            return (time.perf_counter() - t0) * 1000
 
-        async def worker() -> None:
-            for _ in range(per_client):
-                await one()
+        async def paired(k: int) -> dict[str, float]:
+            shift = k % len(targets)
+            return {t.name: await one(t) for t in targets[shift:] + targets[:shift]}
 
-        for _ in range(5):  # warm-up: connections, caches
-            await one()
-        lat.clear()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-    target.lat.setdefault(label, []).extend(lat)
+        async def worker(first: int) -> None:
+            for k in range(first, first + per_client):
+                samples.append(await paired(k))
+
+        for k in range(5):  # warm-up: connections, caches
+            await paired(k)
+        await asyncio.gather(*(worker(c) for c in range(clients)))
+    for t in targets:
+        t.lat.setdefault(label, []).extend(s[t.name] for s in samples)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -224,19 +284,25 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        args,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
+def paired_overhead(through: list[float], direct: list[float], q: float) -> float:
+    """The q-quantile of the per-request differences `through[i] - direct[i]` (request i sent
+    both ways in the same run). Not the difference of the two quantiles, which can be negative
+    when the direct calls' own tail happens to be slower."""
+    if len(through) != len(direct) or not direct:
+        raise ValueError(
+            f"paired latencies need the same requests both ways, got {len(through)} through and "
+            f"{len(direct)} direct"
+        )
+    return pct([a - b for a, b in zip(through, direct, strict=True)], q)
 
 
-def start_litellm(upstream: str, tmp: str) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+def start_litellm(upstream: str, tmp: str) -> Peer:
     exe = shutil.which("litellm", path=os.path.dirname(sys.executable))
     if exe is None:
-        return None, "", "litellm not installed (pip install -e '.[bench]')"
+        raise PeerFailed(
+            "the LiteLLM proxy, the benchmark's peer, is not installed here: it comes with the dev "
+            "extra (pip install -e '.[dev]')"
+        )
     cfg = os.path.join(tmp, "litellm.yaml")
     with open(cfg, "w") as f:
         f.write(
@@ -244,76 +310,55 @@ def start_litellm(upstream: str, tmp: str) -> tuple[subprocess.Popen[bytes] | No
             f"      model: openai/smol\n      api_base: {upstream}/v1\n      api_key: x\n"
         )
     port = free_port()
-    proc = spawn(
-        [
-            exe,
-            "--config",
-            cfg,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--num_workers",
-            "1",
-            "--telemetry",
-            "False",
-        ],
-        env={"LITELLM_LOG": "ERROR", "DISABLE_ADMIN_UI": "True", "LITELLM_MASTER_KEY": API_KEY},
-    )
-    return proc, f"http://127.0.0.1:{port}", ""
+    args = [exe, "--config", cfg, "--port", str(port), "--host", "127.0.0.1"]
+    env = {
+        "LITELLM_LOG": "ERROR",
+        "DISABLE_ADMIN_UI": "True",
+        "LITELLM_MASTER_KEY": API_KEY,
+        # Its model cost map from the installed package, not fetched over the network at start.
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    args += ["--num_workers", "1", "--telemetry", "False"]
+    return spawn("litellm", args, tmp, f"http://127.0.0.1:{port}", env)
 
 
-def start_targets(tmp: str) -> tuple[list[subprocess.Popen[bytes]], list[Target], dict[str, str]]:
+def start_targets(tmp: str) -> tuple[list[Peer], list[Target], dict[str, str]]:
     """The upstream and one sidecar per upstream client library, as processes."""
     up_port = free_port()
-    procs = [
-        spawn(
-            [sys.executable, "-m", "harnessrl.benchmarks.sidecar", "--serve-upstream", str(up_port)]
-        )
-    ]
+    module = "harnessrl.benchmarks.sidecar"
     upstream = f"http://127.0.0.1:{up_port}"
+    args = [sys.executable, "-m", module, "--serve-upstream", str(up_port)]
+    peers = [spawn("upstream", args, tmp, upstream)]
     targets = [Target("direct", upstream + "/v1")]
     dbs = {}
     for client in ("aiohttp", "httpx"):
         port = free_port()
         dbs[client] = os.path.join(tmp, f"{client}.db")
-        procs.append(
-            spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "proxy_sidecar",
-                    "--upstream",
-                    upstream,
-                    "--store",
-                    f"sqlite:///{dbs[client]}",
-                    "--port",
-                    str(port),
-                    "--client",
-                    client,
-                    "--tokenizer",
-                    "smollm2",
-                ]
-            )
-        )
-        targets.append(Target(f"sidecar[{client}]", f"http://127.0.0.1:{port}/v1"))
-    return procs, targets, dbs
+        args = ["--upstream", upstream, "--store", f"sqlite:///{dbs[client]}", "--port", str(port)]
+        args += ["--client", client, "--tokenizer", "smollm2"]
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "proxy_sidecar", *args]
+        peers.append(spawn(f"sidecar[{client}]", command, tmp, url))
+        targets.append(Target(f"sidecar[{client}]", url + "/v1"))
+    return peers, targets, dbs
+
+
+async def wait_targets(peers: list[Peer]) -> None:
+    """The upstream's `/v1/models`, then each sidecar's `/health` (as `start_targets` made them)."""
+    await wait_ready(peers[0].url + "/v1/models", peers[0])
+    for peer in peers[1:]:
+        await wait_ready(peer.url + "/health", peer)
 
 
 async def measure(args: argparse.Namespace, tmp: str) -> int:
-    procs, targets, dbs = start_targets(tmp)
+    peers, targets, dbs = start_targets(tmp)
     upstream = targets[0].base.removesuffix("/v1")
-    lite, lite_url, why_not = start_litellm(upstream, tmp)
     try:
-        await wait_ready(upstream + "/v1/models")
-        for t in targets[1:]:
-            await wait_ready(t.base.removesuffix("/v1") + "/health")
-        if lite is not None:
-            try:
-                await wait_ready(lite_url + "/health/liveliness", timeout_s=180)
-                targets.append(Target("litellm", lite_url + "/v1"))
-            except RuntimeError as err:
-                why_not = f"litellm proxy did not start: {err}"
+        lite = start_litellm(upstream, tmp)
+        peers.append(lite)
+        await wait_targets(peers[:-1])
+        await wait_ready(lite.url + "/health/liveliness", lite, timeout_s=180)
+        targets.append(Target("litellm", lite.url + "/v1"))
         scale = 0.25 if args.quick else 1.0
         scenarios = [
             ("c1", 1, 400, False),
@@ -321,14 +366,8 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
             ("c32", 32, 25, False),
             ("c32-stream", 32, 12, True),
         ]
-        # Targets take turns in several rounds, so load from other processes on the machine
-        # hits all of them alike.
-        rounds = 4
         for label, clients, per, stream in scenarios:
-            for _ in range(rounds):
-                for t in targets:
-                    n = max(2, int(per * scale * (0.4 if t.name == "litellm" else 1.0)) // rounds)
-                    await run_clients(t, label, clients, n, stream)
+            await run_paired(targets, label, clients, max(2, int(per * scale)), stream)
         from harnessrl.benchmarks.sidecar.tokenin import measure_tokenin
 
         sizes = (args.tokenin_small, 16384)
@@ -337,30 +376,34 @@ async def measure(args: argparse.Namespace, tmp: str) -> int:
         rows, through = await measure_tokenin(targets[0].base, targets[1].base, sizes, calls, auth)
         targets[1].ok += through  # counted in its store too
     finally:
-        for p in [*procs, lite]:
-            if p is not None:
-                p.terminate()
-        for p in [*procs, lite]:
-            if p is not None:
-                p.wait(timeout=30)
+        for p in peers:
+            p.stop()
     from harnessrl.benchmarks.sidecar.tokenin import report_tokenin
 
-    return report(targets, dbs, why_not, report_tokenin(rows))
+    return report(targets, dbs, report_tokenin(rows))
 
 
-def report(targets: list[Target], dbs: dict[str, str], why_not: str, tokenin: str = "") -> int:
+def report(targets: list[Target], dbs: dict[str, str], tokenin: str = "") -> int:
+    """Prints the table and the last line; `targets` are direct, both sidecars and LiteLLM."""
     direct = targets[0]
+    by_name = {t.name: t for t in targets}
+    if "litellm" not in by_name:
+        raise ValueError(f"the report needs the LiteLLM target, got {sorted(by_name)}")
     print(
         f"{'scenario':<11} {'target':<16} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
     )
     for label in direct.lat:
-        d50, d99 = pct(direct.lat[label], 0.5), pct(direct.lat[label], 0.99)
         for t in targets:
             v = t.lat[label]
-            p50, p99 = pct(v, 0.5), pct(v, 0.99)
+            plus = f"{'':>8} {'':>8}"
+            if t is not direct:
+                plus = " ".join(
+                    f"{paired_overhead(v, direct.lat[label], q):>8.3f}" for q in (0.5, 0.99)
+                )
             print(
-                f"{label:<11} {t.name:<16} {len(v):>5} {p50:>8.3f} {p99:>8.3f} {p50 - d50:>8.3f} {p99 - d99:>8.3f}"
+                f"{label:<11} {t.name:<16} {len(v):>5} {pct(v, 0.5):>8.3f} {pct(v, 0.99):>8.3f} {plus}"
             )
+    print("(+p50, +p99: percentiles of each request's latency minus the same request's direct)")
     lost = 0
     for client, db in dbs.items():
         stored = (
@@ -368,27 +411,24 @@ def report(targets: list[Target], dbs: dict[str, str], why_not: str, tokenin: st
             .execute("SELECT COUNT(*) FROM calls WHERE status = 200")
             .fetchone()[0]
         )
-        sent = next(t.ok for t in targets if t.name == f"sidecar[{client}]")
+        sent = by_name[f"sidecar[{client}]"].ok
         lost += max(0, sent - stored)
         print(f"sidecar[{client}]: {sent} responses received, {stored} calls stored")
-    base = pct(direct.lat["c1"], 0.5)
-    ours = {t.name: pct(t.lat["c1"], 0.5) - base for t in targets}
-    fastest = min(("aiohttp", "httpx"), key=lambda c: ours[f"sidecar[{c}]"])
+
+    def added(name: str, q: float) -> float:
+        return paired_overhead(by_name[name].lat["c1"], direct.lat["c1"], q)
+
+    ours = {c: added(f"sidecar[{c}]", 0.5) for c in ("aiohttp", "httpx")}
+    fastest = min(ours, key=lambda c: ours[c])
     print(
-        f"upstream client: aiohttp +{ours['sidecar[aiohttp]']:.3f} ms, httpx "
-        f"+{ours['sidecar[httpx]']:.3f} ms at p50 (one client); faster: {fastest}"
+        f"upstream client: aiohttp +{ours['aiohttp']:.3f} ms, httpx +{ours['httpx']:.3f} ms at p50 "
+        f"(one client); faster: {fastest}"
     )
-    side = next(t for t in targets if t.name == "sidecar[aiohttp]")
-    over50 = ours["sidecar[aiohttp]"]
-    over99 = pct(side.lat["c1"], 0.99) - pct(direct.lat["c1"], 0.99)
-    if "litellm" in ours:
-        ratio = f"{ours['litellm'] / max(over50, 1e-3):.1f}"
-    else:
-        ratio = "na"
-        print(f"litellm: not measured ({why_not})")
+    over50, over99 = ours["aiohttp"], added("sidecar[aiohttp]", 0.99)
+    ratio = added("litellm", 0.5) / max(over50, 1e-3)
     print(
         f"sidecar: overhead_p50_ms={over50:.3f} overhead_p99_ms={over99:.3f} "
-        f"litellm_overhead_ratio={ratio} lost={lost}" + (f" {tokenin}" if tokenin else "")
+        f"litellm_overhead_ratio={ratio:.1f} lost={lost}" + (f" {tokenin}" if tokenin else "")
     )
     return 0 if lost == 0 else 1
 
@@ -412,6 +452,8 @@ def main() -> None:
         import uvloop
 
         code = uvloop.run(measure(args, tmp))
+    except PeerFailed as err:
+        sys.exit(f"sidecar benchmark: {err}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     sys.exit(code)

@@ -3,8 +3,9 @@ the function call the sidecar answered and its output) as Responses and Messages
 and tokenized by the sidecar, beside pass-through chat calls of the same conversation.
 
 In: a sidecar started with `--tokenizer smollm2` and the upstream it forwards to. Out: per context
-size, the latency of each call direct and through the sidecar; the added time is the difference
-(token-in calls are compared with the upstream's `/v1/completions` on the same token-id prompt).
+size, the latency of each call direct and through the sidecar; the added time is, call by call,
+the difference at the same conversation step (token-in calls are compared with the upstream's
+`/v1/completions` on the same token-id prompt), and its percentiles are those differences'.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from harnessrl.benchmarks.sidecar import COMPLETION, pct
+from harnessrl.benchmarks.sidecar import COMPLETION, paired_overhead, pct
 from proxy_sidecar.dialects.tokens import Renderer, load_tokenizer
 
 TOKENIZER = "smollm2"
@@ -289,9 +290,10 @@ async def measure_tokenin(
 
 
 def added(row: Row, label: str, q: float) -> float:
-    """The sidecar's added ms at quantile q for a sidecar row, against its direct counterpart."""
+    """The sidecar's added ms at quantile q for a sidecar row: the quantile of each measured
+    step's latency minus its direct counterpart's at the same step (`row.lat` is in step order)."""
     base = "direct chat" if label == "sidecar chat" else "direct completions"
-    return pct(row.lat[label], q) - pct(row.lat[base], q)
+    return paired_overhead(row.lat[label], row.lat[base], q)
 
 
 def report_tokenin(rows: list[Row]) -> str:
