@@ -48,6 +48,18 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The CPU benchmarks, one after the other: each measures ours beside its alternative in one run
+# and ends with one `NAME: key=value ...` line (docs/architecture.md, "Benchmarks"). Each takes
+# minutes on a 2-core host, the model's and the learner's the longest; BENCHMARKS picks some
+# (make bench BENCHMARKS="sidecar store"). Not here: benchmarks.device, which measures an
+# accelerator. benchmarks.serve adds real vLLM with HARNESSRL_VLLM_PYTHON set (docs/howto-vllm.md).
+BENCHMARKS ?= packing store sandbox sidecar train_attention cpu_kernels prefill serve weight_sync \
+  host_memory model learner
+bench: $(VENV)/.installed-dev
+	@set -e; for name in $(BENCHMARKS); do \
+	  echo "== python -m harnessrl.benchmarks.$$name"; $(PY) -m harnessrl.benchmarks.$$name; \
+	done
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
