@@ -43,6 +43,21 @@ test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --cov --cov-report= $(PYTEST_ARGS)
 	$(if $(PYTEST_ARGS),,$(PY) -m coverage report --include='$(COVERED)' --skip-covered --fail-under=95)
 
+# The suite under CPU load, LOAD_RUNS times in a row, each with Debian's `stress-ng --cpu 2` (two
+# busy workers, as many as CI's cores) running beside it: a test that passes only when the host is
+# idle is a bug. Stops at the first red run.
+LOAD_RUNS ?= 3
+.PHONY: test-under-load
+test-under-load: $(VENV)/.installed-dev
+	@command -v stress-ng >/dev/null || { echo "test-under-load needs stress-ng: apt-get install stress-ng" >&2; exit 2; }
+	@for i in $$(seq $(LOAD_RUNS)); do \
+	  echo "test-under-load: run $$i of $(LOAD_RUNS), stress-ng --cpu 2 beside it"; \
+	  stress-ng --cpu 2 --quiet & load=$$!; \
+	  $(MAKE) --no-print-directory test; rc=$$?; \
+	  kill $$load; wait $$load 2>/dev/null; \
+	  [ $$rc -eq 0 ] || { echo "test-under-load: run $$i failed (rc=$$rc)" >&2; exit $$rc; }; \
+	done; echo "test-under-load: $(LOAD_RUNS) of $(LOAD_RUNS) runs passed"
+
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -6,6 +6,11 @@ server to client) and then cuts that connection: the client's side is closed at 
 is sent end-of-file after exactly the bytes forwarded, so it acts on a message it got whole (a
 COMMIT it received is committed) and never sees the rest. `cut_at(pattern, before)` cuts just
 before or just after the first `pattern` sent up. Connections opened after a cut pass untouched.
+
+A cut going up closes the client's side *before* the last bytes go to the server: the server's
+answer to them (a COMMIT's "done") must never reach the client, or the client would see a write
+succeed and only find the connection gone at its next statement. `cuts` counts a cut when it is
+decided, so it is up to date once the client has seen the cut.
 """
 
 from __future__ import annotations
@@ -74,12 +79,14 @@ class CutProxy:
                 at = data.find(pattern)
                 if at >= 0:
                     self._pattern = None
+                    self.cuts += 1
                     return data[: at if before else at + len(pattern)], True
             left = self._left.get(direction)
             if left is None:
                 return data, False
             if len(data) > left:
                 self._left = {}
+                self.cuts += 1
                 return data[:left], True
             self._left[direction] = left - len(data)
             return data, False
@@ -94,11 +101,13 @@ class CutProxy:
                 if not data:
                     break
                 data, cut = self._take(direction, data)
+                if cut and direction == "up":  # no answer to these bytes may reach the client
+                    with contextlib.suppress(OSError):
+                        client.shutdown(socket.SHUT_RDWR)
                 if data:
                     dst.sendall(data)
                     self.sent[direction] += len(data)
                 if cut:
-                    self.cuts += 1
                     with contextlib.suppress(OSError):
                         client.shutdown(socket.SHUT_RDWR)
                     with contextlib.suppress(OSError):
