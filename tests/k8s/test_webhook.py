@@ -372,8 +372,8 @@ VOLUME = shaped(
 def test_any_opted_in_pod_is_injected_or_refused_with_a_reason(
     spec: dict[str, Any], annotations: Any
 ) -> None:
-    """Whatever shapes a pod's fields have: a patch that applies and puts the sidecar first, or
-    a denial that says why; never an exception."""
+    """Whatever shapes a pod's fields have: a patch that applies and puts the sidecar first (or
+    keeps the one it has), or a denial that says why; never an exception."""
     pod = {"metadata": {"labels": {"harnessrl.io/inject": "true"}, "annotations": annotations},
            "spec": spec}  # fmt: skip
     review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
@@ -384,7 +384,12 @@ def test_any_opted_in_pod_is_injected_or_refused_with_a_reason(
         assert resp["status"]["message"].startswith("harnessrl injection: ")
         return
     patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(resp["patch"])))
-    assert patched["spec"]["initContainers"][0]["name"] == SIDECAR_NAME
+    inits = patched["spec"]["initContainers"]
+    before = spec.get("initContainers")
+    if any(isinstance(c, dict) and c.get("name") == SIDECAR_NAME for c in before or []):
+        assert any(isinstance(c, dict) and c.get("name") == SIDECAR_NAME for c in inits)
+    else:  # added first, so that the pod's own init containers can reach the model
+        assert inits[0]["name"] == SIDECAR_NAME
     assert all(
         {"name": "OPENAI_BASE_URL", "value": f"{SPEC.url}/v1"} in c["env"]
         for c in patched["spec"]["containers"]
