@@ -368,9 +368,12 @@ VOLUME = shaped(
         },
     ),
     annotations=JSON,
+    sidecar=st.sampled_from(  # the second mounts a volume: the pod's own volumes are edited too
+        [SPEC, SidecarSpec(tokenizer="/shared/models/base", shared_claim="harnessrl-shared")]
+    ),
 )
 def test_any_opted_in_pod_is_injected_or_refused_with_a_reason(
-    spec: dict[str, Any], annotations: Any
+    spec: dict[str, Any], annotations: Any, sidecar: SidecarSpec
 ) -> None:
     """Whatever shapes a pod's fields have: a patch that applies and puts the sidecar first (or
     keeps the one it has), or a denial that says why; never an exception."""
@@ -379,7 +382,7 @@ def test_any_opted_in_pod_is_injected_or_refused_with_a_reason(
     review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
               "request": {"uid": "u", "kind": {"kind": "Pod"}, "operation": "CREATE",
                           "object": pod}}  # fmt: skip
-    resp = review_response(review, SPEC)["response"]
+    resp = review_response(review, sidecar)["response"]
     if not resp["allowed"]:
         assert resp["status"]["message"].startswith("harnessrl injection: ")
         return
@@ -391,7 +394,7 @@ def test_any_opted_in_pod_is_injected_or_refused_with_a_reason(
     else:  # added first, so that the pod's own init containers can reach the model
         assert inits[0]["name"] == SIDECAR_NAME
     assert all(
-        {"name": "OPENAI_BASE_URL", "value": f"{SPEC.url}/v1"} in c["env"]
+        {"name": "OPENAI_BASE_URL", "value": f"{sidecar.url}/v1"} in c["env"]
         for c in patched["spec"]["containers"]
     )
     assert patched["spec"]["automountServiceAccountToken"] is False
