@@ -41,7 +41,9 @@ def copy_model(model: M) -> M:
 
 
 class EmbeddedServing:
-    """The in-process server: new params are swapped into its engine, no copy to disk."""
+    """The in-process server: new params are swapped into its engine, no copy to disk (so no
+    `/admin` call: its admin token, made when `serve.admin_token` is empty, stays on
+    `server.admin_token` for a caller that wants HTTP loads)."""
 
     def __init__(self, server: ServerHandle) -> None:
         self.server = server
@@ -104,7 +106,9 @@ def remote_serving(
 ) -> RemoteServing:
     """`weight_sync`: vllm (servers started with VLLM_SERVER_DEV_MODE=1; `admin_token` is their
     API key, which k8s/base/vllm_guard.py asks of every route) or embedded (whose
-    `/admin/load_weights` takes `admin_token`, the servers' `--admin-token`). `weight_push`:
+    `/admin/load_weights` always takes a token: `admin_token` is the one the servers were given
+    with `--admin-token`, or the one a server given none wrote to its `--admin-token-file`).
+    `weight_push`:
     shared (the servers read `export_root`) or http (they fetch it from this process, served on
     `push_address`). `urls` may be one k8s://NAMESPACE/SERVICE:PORT, read with `api_client`."""
     if weight_sync not in ("vllm", "embedded"):

@@ -116,7 +116,7 @@ class EmbeddedSync:
         urls: Replicas | Sequence[str] | str,
         timeout_s: float = 600.0,
         client: httpx.Client | None = None,
-        admin_token: str | None = None,  # the servers' --admin-token (sent as a bearer token)
+        admin_token: str | None = None,  # the servers' admin token (sent as a bearer token)
         source: ExportServer | None = None,  # weight_push=http: servers fetch from the trainer
         parallel: bool = True,  # False: one server after the other (for comparison)
         api_client: Any = None,  # Kubernetes API client for a k8s:// Service
@@ -143,6 +143,12 @@ class EmbeddedSync:
             r = self._client.post(f"{url}/admin/load_weights", json=body, headers=self._headers)
         except httpx.HTTPError as err:
             raise WeightSyncError(f"{url}: load_weights failed: {err}") from err
+        if r.status_code == 401:  # every embedded server has a token, given or made
+            raise WeightSyncError(
+                f"{url}: load_weights answered 401: give the servers' admin token "
+                f"(serve.admin_token; a server given none made its own and wrote it to its "
+                f"admin_token_file): {r.text[:300]}"
+            )
         if r.status_code != 200 or r.json().get("version") != body["version"]:
             raise WeightSyncError(f"{url}: load_weights answered {r.status_code}: {r.text[:500]}")
 

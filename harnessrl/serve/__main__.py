@@ -1,18 +1,22 @@
 """`python -m harnessrl.serve --model smollm2|HF_DIR|GGUF --port N [--num-slots 8 ...]`.
 
 In: a model spec and `ServeConfig` fields as flags (the admin token may also come from
-HARNESSRL_ADMIN_TOKEN). Out: an OpenAI/vLLM-compatible server in the foreground (warm-up first,
-so the first request does not compile); Ctrl-C stops it.
+HARNESSRL_ADMIN_TOKEN; given none, the server makes one and writes it to `--admin-token-file`,
+or to a new private temporary file, and prints where). Out: an OpenAI/vLLM-compatible server in
+the foreground (warm-up first, so the first request does not compile); Ctrl-C stops it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from harnessrl.cli import command_line, fail
+from harnessrl.serve.admin import admin_token, private_token_file
 from harnessrl.serve.config import ServeConfig
 
 PROG = "python -m harnessrl.serve"
@@ -43,11 +47,24 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_policy(config.model, seed=config.seed)
     except ValueError as err:
         fail(PROG, err)
-    if config.warmup:
-        print(f"warming up {config.model_name} ({config.num_slots} slots)...", flush=True)
-    _, server = make_server(model, tokenizer, config)
-    print(f"serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True)
-    server.run()
+    made = None  # a private temporary token file of ours, removed on the way out
+    if not config.admin_token:
+        if not config.admin_token_file:
+            made = private_token_file()
+            config = dataclasses.replace(config, admin_token_file=str(made))
+        config = dataclasses.replace(config, admin_token=admin_token(config))
+        where = Path(config.admin_token_file).absolute()
+        print(f"admin token (Authorization: Bearer, for /admin/*) written to {where}", flush=True)
+    try:
+        if config.warmup:
+            print(f"warming up {config.model_name} ({config.num_slots} slots)...", flush=True)
+        _, server = make_server(model, tokenizer, config)
+        print(f"serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True)
+        server.run()
+    finally:
+        if made is not None:
+            made.unlink(missing_ok=True)
+            made.parent.rmdir()
     return 0
 
 

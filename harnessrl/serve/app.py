@@ -9,42 +9,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+import orjson
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
+from harnessrl.bodies import Offload
 from harnessrl.engine.decode import Engine
 from harnessrl.engine.swap import load_params
 from harnessrl.listener import server_config
 from harnessrl.model.decoder import Decoder
 from harnessrl.model.qwen3_5 import Qwen35Decoder
+from harnessrl.serve.admin import ParamsLoader, admin_token, load_weights
+from harnessrl.serve.body import BodyLimits, read_json
 from harnessrl.serve.config import ServeConfig
-from harnessrl.serve.generate import (
-    VERSION_HEADER,
-    Backend,
-    GenerationEndpoint,
-    decode_json,
-    read_body,
-)
+from harnessrl.serve.generate import VERSION_HEADER, Backend, GenerationEndpoint
+from harnessrl.serve.gil import releasing_gil
 from harnessrl.serve.output import TokenText
 from harnessrl.serve.protocol import RequestError, RequestLimits, Tokenizer, tokenize_body
-from harnessrl.serve.weight_fetch import check_fetch, with_fetched
-from harnessrl.traces.schema import policy_version_error
-from proxy_sidecar.types import Message, Receive, Scope, Send
 
-ParamsLoader = Callable[[str], Any]
 log = logging.getLogger(__name__)
 
 
@@ -115,19 +111,21 @@ async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card]})
 
 
-async def _read(request: Request, backend: Backend) -> Any:
-    try:
-        raw = await read_body(request.scope, request.receive, backend.max_body_bytes)
-    except ConnectionError as err:  # the answer goes nowhere; only the shape must be right
-        raise RequestError(str(err)) from err
-    return await asyncio.to_thread(decode_json, raw)
+def _json(body: Any) -> Response:
+    return Response(body, media_type="application/json")
 
 
-async def tokenize(request: Request) -> JSONResponse:
+async def tokenize(request: Request) -> Response:
     backend: Backend = request.app.state.backend
-    body = await _read(request, backend)
-    ids = await asyncio.to_thread(tokenize_body, body, backend.tokenizer, backend.limits)
-    return JSONResponse(
+    with backend.body.budget.hold() as hold:
+        body = await read_json(request.scope, request.receive, backend.body, hold, backend.offload)
+        return _json(await backend.offload.run(hold.size, _tokenize, body, backend))
+
+
+def _tokenize(body: Any, backend: Backend) -> bytes:
+    ids = tokenize_body(body, backend.tokenizer, backend.limits)
+    # A MiB of prompt is a million ids: encoded here on the worker thread, not on the loop.
+    return orjson.dumps(
         {
             "count": len(ids),
             "max_model_len": backend.max_model_len,
@@ -137,9 +135,14 @@ async def tokenize(request: Request) -> JSONResponse:
     )
 
 
-async def detokenize(request: Request) -> JSONResponse:
+async def detokenize(request: Request) -> Response:
     backend: Backend = request.app.state.backend
-    body = await _read(request, backend)
+    with backend.body.budget.hold() as hold:
+        body = await read_json(request.scope, request.receive, backend.body, hold, backend.offload)
+        return _json(await backend.offload.run(hold.size, _detokenize, body, backend))
+
+
+def _detokenize(body: Any, backend: Backend) -> bytes:
     tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < backend.vocab_size
@@ -148,60 +151,7 @@ async def detokenize(request: Request) -> JSONResponse:
         raise RequestError(
             f"tokens must be a list of token ids in [0, {backend.vocab_size})", param="tokens"
         )
-    text = await asyncio.to_thread(backend.tokenizer.decode, tokens)
-    return JSONResponse({"prompt": text})
-
-
-def _check_admin(request: Request, token: str) -> None:
-    """Bearer-token check of /admin/* (no token configured: loopback only, see ServeConfig)."""
-    if not token:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
-        raise RequestError(
-            "missing or wrong bearer token for /admin (the server's --admin-token)",
-            status=401,
-            headers={"www-authenticate": "Bearer"},
-        )
-
-
-async def load_weights(request: Request) -> JSONResponse:
-    """`{"path": "<exported HF folder>", "version": <int>}` → 200 `{"version": <int>}`; or, in
-    place of the path, `url`, `files` and `token` of a trainer's export to fetch (weight_fetch)."""
-    backend: Backend = request.app.state.backend
-    loader: ParamsLoader = request.app.state.params_loader
-    _check_admin(request, request.app.state.admin_token)  # before the body is even read
-    body = await _read(request, backend)
-    fields = body if isinstance(body, dict) else {}
-    path, version = fields.get("path"), fields.get("version")
-    fetch = fields.get("url") is not None
-    if fetch:
-        try:
-            check_fetch(fields.get("url"), fields.get("files"))
-        except ValueError as err:
-            raise RequestError(str(err), param="url") from err
-    elif not isinstance(path, str) or not path:
-        raise RequestError(
-            f"path must be the exported model folder, got {path!r:.200}", param="path"
-        )
-    if error := policy_version_error(version):
-        raise RequestError(f"version {error}", param="version")
-    assert isinstance(version, int)  # what policy_version_error accepts
-    try:
-        if fetch:
-            params = await asyncio.to_thread(with_fetched, fields, loader)
-        else:
-            params = await asyncio.to_thread(loader, str(path))
-        await asyncio.to_thread(backend.engine.swap_params, params, version)
-    except Exception as err:  # any failure to load leaves the served weights as they were
-        raise RequestError(
-            f"cannot load weights from {fields.get('url') or path!r:.300}: "
-            f"{type(err).__name__}: {err!s:.500}",
-            param="path",
-        ) from err
-    return JSONResponse({"version": backend.engine.version})
+    return orjson.dumps({"prompt": backend.tokenizer.decode(tokens)})
 
 
 def build_app(
@@ -211,7 +161,16 @@ def build_app(
     *,
     params_loader: ParamsLoader = load_params,
 ) -> Starlette:
-    """The server app around a started (or to-be-started) engine; the lifespan starts/stops it."""
+    """The server app around a started (or to-be-started) engine; the lifespan starts/stops it.
+
+    `config.admin_token` must be set: `admin_token(config)` makes one where none was given.
+    """
+    if not config.admin_token:
+        raise ValueError(
+            "build_app needs ServeConfig.admin_token: /admin/* is never open; "
+            "harnessrl.serve.admin.admin_token(config) makes one"
+        )
+    tokenizer = releasing_gil(tokenizer)
     backend = Backend(
         engine=engine,
         tokenizer=tokenizer,
@@ -220,7 +179,8 @@ def build_app(
         max_model_len=config.max_model_len,
         vocab_size=engine.model_config.vocab_size,
         limits=RequestLimits.of(config),
-        max_body_bytes=config.max_body_bytes,
+        body=BodyLimits.of(config),
+        offload=Offload(),
     )
 
     @contextlib.asynccontextmanager
@@ -250,6 +210,7 @@ def build_app(
     app.state.backend = backend
     app.state.params_loader = params_loader
     app.state.admin_token = config.admin_token
+    app.state.load_lock = asyncio.Lock()
     app.state.started = int(time.time())
     app.add_middleware(PolicyVersionHeader)
     return app
@@ -257,12 +218,14 @@ def build_app(
 
 @dataclass
 class ServerHandle:
-    """A running in-process server: `url` (…/v1 is the OpenAI base), `engine`, `stop()`."""
+    """A running in-process server: `url` (…/v1 is the OpenAI base), `engine`, `stop()`, and
+    the bearer token of its `/admin/*` (the configured one, or the one it made)."""
 
     url: str
     engine: Engine
     server: uvicorn.Server
     thread: threading.Thread
+    admin_token: str = field(repr=False)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -284,7 +247,8 @@ def make_server(
     params_loader: ParamsLoader = load_params,
 ) -> tuple[Engine, uvicorn.Server]:
     """An engine for `model` (warmed up unless `config.warmup` is off) and the uvicorn server of
-    its app, not yet running: the foreground CLI and `start_server` both run one."""
+    its app, not yet running: the foreground CLI and `start_server` both run one. `config` has
+    its admin token set (`admin_token(config)`)."""
     eos = getattr(tokenizer, "eos_token_ids", None) or [model.cfg.eos_token_id]
     engine = Engine(model, eos, config)
     if config.warmup:
@@ -304,8 +268,12 @@ def start_server(
     *,
     params_loader: ParamsLoader = load_params,
 ) -> ServerHandle:
-    """Warm up an engine for `model` and serve it on a background thread (port 0: any free port)."""
+    """Warm up an engine for `model` and serve it on a background thread (port 0: any free port).
+
+    Without `config.admin_token` the server makes one: `handle.admin_token`.
+    """
     config = config or ServeConfig()
+    config = dataclasses.replace(config, admin_token=admin_token(config))
     engine, server = make_server(model, tokenizer, config, params_loader=params_loader)
     thread = threading.Thread(target=server.run, name="harnessrl-serve", daemon=True)
     thread.start()
@@ -317,5 +285,9 @@ def start_server(
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     return ServerHandle(
-        url=f"http://{config.host}:{port}", engine=engine, server=server, thread=thread
+        url=f"http://{config.host}:{port}",
+        engine=engine,
+        server=server,
+        thread=thread,
+        admin_token=config.admin_token,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass, field
 
 from harnessrl.listener import HttpLimits
@@ -17,6 +18,11 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+# Fields that must be integers >= 1 (the per-request and in-flight limits)
+POSITIVE: tuple[str, ...] = ("max_n", "max_request_tokens", "max_prompt_chars", "max_body_bytes")
+POSITIVE += ("max_buffered_bytes",)
 
 
 @dataclass(frozen=True)
@@ -43,10 +49,18 @@ class ServeConfig:
     max_request_tokens: int = 65536  # n x max_tokens (unset max_tokens: the room left)
     max_prompt_chars: int = 1 << 20  # prompt or message text, checked before tokenizing
     max_body_bytes: int = 16 << 20  # request body; larger gets 413
+    # Request bodies held at once by every request in flight, counted as their bytes arrive;
+    # a body that would pass it gets 503 + Retry-After
+    max_buffered_bytes: int = 64 << 20
     max_header_bytes: int = 64 << 10  # request line + headers; larger gets 431
     read_timeout_s: float = 30.0  # deadline of a request's headers, longest pause in its body
-    # /admin/* bearer token (or HARNESSRL_ADMIN_TOKEN); needed off loopback
+    body_timeout_s: float = 60.0  # deadline of a whole request body; later gets 408
+    # /admin/* bearer token (or HARNESSRL_ADMIN_TOKEN); needed off loopback. Empty: the server
+    # makes one and hands it to whoever started it (in-process: the handle's admin_token)
     admin_token: str = field(default="", repr=False)
+    # Where a server given no admin_token writes the one it makes (mode 0600); the CLI, when
+    # empty, writes it to a new private temporary file and prints that file's path
+    admin_token_file: str = ""
     seed: int = 0  # base of the keys of requests without a seed
     policy_version: int = 0  # version reported before the first swap
     # float32: logprobs exactly the learner's. bfloat16: weights rounded to bf16 (arithmetic stays
@@ -75,7 +89,7 @@ class ServeConfig:
                 raise ValueError(
                     f"ServeConfig.{name} must be a non-negative integer, got {value!r}"
                 )
-        for name in ("max_n", "max_request_tokens", "max_prompt_chars", "max_body_bytes"):
+        for name in POSITIVE:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServeConfig.{name} must be a positive integer, got {value!r}")
@@ -83,6 +97,7 @@ class ServeConfig:
             HttpLimits(self.max_header_bytes, self.read_timeout_s)
         except ValueError as err:
             raise ValueError(f"ServeConfig.{err}") from err
+        self._check_bodies()
         self._check_admin()
         if self.weight_dtype not in ("float32", "bfloat16"):
             raise ValueError(
@@ -103,11 +118,21 @@ class ServeConfig:
         if error := policy_version_error(self.policy_version):
             raise ValueError(f"ServeConfig.policy_version {error}")
 
-    def _check_admin(self) -> None:
-        if not isinstance(self.admin_token, str):
+    def _check_bodies(self) -> None:
+        if self.max_buffered_bytes < self.max_body_bytes:
             raise ValueError(
-                f"ServeConfig.admin_token must be a string, got {type(self.admin_token).__name__}"
+                f"ServeConfig.max_buffered_bytes={self.max_buffered_bytes} is below "
+                f"max_body_bytes={self.max_body_bytes}: a body at the limit could never be read"
             )
+        t = self.body_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"ServeConfig.body_timeout_s must be a finite number > 0, got {t!r}")
+
+    def _check_admin(self) -> None:
+        for name in ("admin_token", "admin_token_file"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"ServeConfig.{name} must be a string, got {type(value).__name__}")
         if not self.admin_token and not is_loopback(self.host):
             raise ValueError(
                 f"ServeConfig.host={self.host!r} is not loopback: set admin_token (--admin-token "

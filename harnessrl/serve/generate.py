@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from starlette.types import Receive, Scope, Send
 
+from harnessrl.bodies import Offload
 from harnessrl.engine.decode import Cancel, Engine, EngineBusy, TokenEvent
 from harnessrl.listener import send_json
+from harnessrl.serve.body import BodyLimits, decode_json, read_body
 from harnessrl.serve.output import (
     ChoiceState,
     TokenText,
@@ -33,7 +36,6 @@ from harnessrl.serve.protocol import (
     Tokenizer,
     parse_job,
 )
-from proxy_sidecar.types import Receive, Scope, Send
 
 VERSION_HEADER = b"x-harnessrl-policy-version"
 
@@ -49,46 +51,8 @@ class Backend:
     max_model_len: int
     vocab_size: int
     limits: RequestLimits
-    max_body_bytes: int
-
-
-def _too_large(limit: int) -> RequestError:
-    # The rest of the body is never read, so the connection cannot carry another request.
-    return RequestError(
-        f"the request body is over this server's {limit}-byte limit (max_body_bytes)",
-        status=413,
-        headers={"connection": "close"},
-    )
-
-
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body, read chunk by chunk; RequestError 413 as soon as it passes `limit`."""
-    for name, value in scope["headers"]:
-        if (
-            name == b"content-length"
-            and value.isdigit()
-            and (len(value) > 18 or int(value) > limit)
-        ):
-            raise _too_large(limit)
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionError("client disconnected before the body was read")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def decode_json(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as err:
-        raise RequestError(f"the request body is not valid JSON: {err}") from err
+    body: BodyLimits
+    offload: Offload
 
 
 async def send_error(send: Send, err: RequestError, version: int) -> None:
@@ -124,10 +88,14 @@ class GenerationEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         backend: Backend = scope["app"].state.backend
         try:
-            raw = await read_body(scope, receive, backend.max_body_bytes)
-            # JSON decoding and tokenizing take time proportional to the prompt: off the loop,
-            # so one large request never stalls the others (or /health).
-            job = await asyncio.to_thread(self._parse, raw, backend)
+            # The body's share of the budget is given back once it is parsed: what the job keeps
+            # (token ids, tools, echo text) is bounded by the request limits.
+            with backend.body.budget.hold() as hold:
+                raw = await read_body(scope, receive, backend.body, hold)
+                # JSON decoding and tokenizing take time proportional to the prompt: off the
+                # loop, so one large request never stalls the others (or /health).
+                job = await backend.offload.run(len(raw), self._parse, raw, backend)
+                del raw
             queue, cancel = backend.engine.submit_async(job.prompt_ids, job.params, job.max_tokens)
         except RequestError as err:
             return await send_error(send, err, backend.engine.version)

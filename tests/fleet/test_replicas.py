@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 from fake_apiserver import FakeKube, Outcome
 
 HOSTS = ("127.0.0.2", "127.0.0.3")  # two pods: one port, two addresses, as in a cluster
+ADMIN_TOKEN = "replicas-admin-token"  # one for every replica, as a cluster's Secret gives them
 
 
 def common_port() -> int:
@@ -100,7 +101,7 @@ def replicas() -> Iterator[tuple[list[Any], int, Refusing, Any]]:
     for host, loader in zip(HOSTS, (None, refusing), strict=True):
         serve = ServeConfig(
             host=host, port=port, num_slots=2, max_model_len=64, prefill_buckets=(16,),
-            warmup=False,
+            warmup=False, admin_token=ADMIN_TOKEN,
         )  # fmt: skip
         kw = {"params_loader": loader} if loader else {}
         servers.append(start_server(Decoder(cfg, rngs=nnx.Rngs(0)), ByteTokenizer(), serve, **kw))
@@ -144,7 +145,7 @@ def test_every_replica_is_pushed_and_calls_carry_their_replicas_version(
         api = client.ApiClient(client.Configuration(host=kube.url))
         serving = remote_serving(
             f"k8s://harnessrl/vllm:{port}", "embedded", tmp_path / "weights", None,
-            weight_push="http", api_client=api,
+            admin_token=ADMIN_TOKEN, weight_push="http", api_client=api,
         )  # fmt: skip
         store_url = f"sqlite:///{tmp_path / 'traces.db'}"
         cfg = SidecarConfig(upstreams=tuple(urls), store=store_url, log_calls=False, port=0)

@@ -238,7 +238,7 @@ def test_embedded_server_serves_pushed_weights(tmp_path: Path) -> None:
             return r.json()["choices"][0]["token_ids"], r.headers["x-harnessrl-policy-version"]
 
         out_a, v0 = greedy()
-        sync = EmbeddedSync(urls=[server.url])
+        sync = EmbeddedSync(urls=[server.url], admin_token=server.admin_token)
         sync.push(dir_b, 1)
         out_b, v1 = greedy()
         sync.push(dir_a, 2)

@@ -95,6 +95,7 @@ def test_train_loop_runs_harness_jobs_and_pushes_weights_to_remote_servers(
                 "rollout.launcher=kubernetes", "rollout.kubernetes.image=registry.example.com/harness:1",
                 f"rollout.store={pg_dsn}", f"rollout.servers={server.url}",
                 "rollout.weight_sync=embedded", "serve.served_model_name=policy",
+                f"serve.admin_token={server.admin_token}",  # the one the server made
                 f"rollout.harness={HARNESS}",
             ]  # fmt: skip
             procs = [

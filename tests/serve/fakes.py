@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -80,3 +81,96 @@ class CostlyByteTokenizer(ByteTokenizer):
         self.longest = max(self.longest, chars)
         time.sleep(chars * self.seconds_per_char)
         return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def bpe_tokenizer(long_chars: int = 100_000) -> tuple[Any, TimedRust]:
+    """A real `ChatTokenizer`: HF `tokenizers` byte-level BPE (256 bytes, no merges) plus
+    <|im_start|>/<|im_end|> (EOS) = 258 ids, as `bounded_model_config` has; and the timer of its
+    Rust tokenizer's calls on texts of at least `long_chars` characters.
+
+    Unlike the fakes above, its encoder is the Rust one the shipped models use (about 1 s per
+    MiB of text).
+    """
+    from tokenizers import pre_tokenizers
+
+    from harnessrl.model.tokenizer import ChatTokenizer
+
+    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<|im_start|>", "<|im_end|>"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.token_type": [1] * 256 + [3, 3],  # the two markers are control tokens
+        "tokenizer.ggml.eos_token_id": IM_END,
+        "tokenizer.chat_template": CHATML,
+    }
+    built = ChatTokenizer.from_gguf_metadata(meta)
+    timer = TimedRust(built.tokenizer, long_chars)
+    return ChatTokenizer(timer, built.chat_template, built.special_tokens), timer
+
+
+class TimedRust:
+    """Wraps a Rust `tokenizers.Tokenizer`: each encode call on a long text sets `started` as it
+    begins and appends its (start, end) monotonic times to `windows` when it returns."""
+
+    def __init__(self, inner: Any, long_chars: int) -> None:
+        self.inner = inner
+        self.long_chars = long_chars
+        self.started = threading.Event()
+        self.windows: list[tuple[float, float]] = []
+
+    def reset(self) -> None:
+        self.started.clear()
+        self.windows.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.inner, name)
+        if name not in ("encode", "encode_batch"):
+            return found
+
+        def timed(texts: Any, *args: Any, **kwargs: Any) -> Any:
+            chars = len(texts) if isinstance(texts, str) else sum(map(len, texts))
+            if chars < self.long_chars:
+                return found(texts, *args, **kwargs)
+            start = time.monotonic()
+            self.started.set()
+            try:
+                return found(texts, *args, **kwargs)
+            finally:
+                self.windows.append((start, time.monotonic()))
+
+        return timed
+
+
+class GatedLoader:
+    """A params loader (`start_server(params_loader=...)`) that tests can stop inside a load:
+    while `gate` is clear, loads wait there; `entered` is set as one arrives. `most_inside` is
+    the most loads that were ever inside at once."""
+
+    def __init__(self) -> None:
+        from harnessrl.engine.swap import load_params
+
+        self.load = load_params
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.inside = self.most_inside = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, path: str) -> Any:
+        with self._lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        self.entered.set()
+        try:
+            self.gate.wait(timeout=30)
+            return self.load(path)
+        finally:
+            with self._lock:
+                self.inside -= 1

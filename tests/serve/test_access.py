@@ -1,11 +1,17 @@
-"""Who may do what: `/admin/*` needs the bearer token (checked before the body is read, so a
-caller without it learns nothing about paths), the server will not bind off loopback without a
-token, and unknown routes or methods answer in vLLM's error body. Real server, real export."""
+"""Who may do what: `/admin/*` always needs the bearer token (a server given none makes one and
+hands it to whoever started it), checked before the body is read, so a caller without it learns
+nothing about paths; loads run one at a time; the server will not bind off loopback without a
+token given; unknown routes or methods answer in vLLM's error body. Real server, real export."""
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -22,10 +28,14 @@ from harnessrl.serve.config import ServeConfig, is_loopback
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def _load(server, body: dict, headers: dict | None = None) -> httpx.Response:
+def _load(server, body: dict, headers: dict | None = None, timeout: float = 120) -> httpx.Response:
     return httpx.post(
-        server.url + "/admin/load_weights", json=body, headers=headers or {}, timeout=120
+        server.url + "/admin/load_weights", json=body, headers=headers or {}, timeout=timeout
     )
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +74,117 @@ def test_admin_without_the_token_is_401_whatever_the_path(bounded_server, export
     assert error["type"] == "Unauthorized" and "bearer token" in error["message"]
     assert answers[0].headers["www-authenticate"] == "Bearer"
     assert bounded_server.engine.version == version
+
+
+def test_a_server_given_no_token_makes_one_and_refuses_loads_without_it(plain_server, exports):
+    """The default (loopback, no --admin-token) used to leave /admin/load_weights open to every
+    local process: a harness under test could swap the served weights and probe paths."""
+    version = plain_server.engine.version
+
+    def refused(headers: dict[str, str]) -> None:
+        answers = [
+            _load(plain_server, {"path": str(path), "version": version + 1}, headers)
+            for path in (exports[1], "/no/such/folder", "/etc", "")
+        ]
+        assert [r.status_code for r in answers] == [401] * 4, [r.text[:200] for r in answers]
+        assert len({r.content for r in answers}) == 1  # nothing tells an existing path apart
+        assert answers[0].json()["error"]["type"] == "Unauthorized"
+        assert plain_server.engine.version == version
+
+    refused({})
+    refused(_bearer("wrong"))
+    token = plain_server.admin_token
+    assert len(token) >= 32 and token not in repr(plain_server)
+    refused(_bearer(token[:-1]))
+    refused({"Authorization": token})
+    # Whoever started it holds the token: its loads reach the loader.
+    bad = _load(plain_server, {"path": "/no/such/folder", "version": version + 1}, _bearer(token))
+    assert bad.status_code == 400 and "/no/such/folder" in bad.json()["error"]["message"]
+
+
+def test_loads_run_one_at_a_time_and_a_concurrent_one_is_409(plain_server, gated_loader, exports):
+    """Concurrent loads each held a copy of the weights (3 loads of smollm2: 1.9 -> 5.1 GiB)."""
+    served, other = exports
+    auth, version = _bearer(plain_server.admin_token), plain_server.engine.version
+    first: list[httpx.Response] = []
+    gated_loader.gate.clear()
+    gated_loader.entered.clear()
+    thread = threading.Thread(
+        target=lambda: first.append(
+            _load(plain_server, {"path": str(other), "version": version + 1}, auth)
+        )
+    )
+    thread.start()
+    try:
+        assert gated_loader.entered.wait(30), "the first load never reached the loader"
+        second = _load(plain_server, {"path": str(served), "version": version + 2}, auth, 10)
+    finally:
+        gated_loader.gate.set()
+        thread.join(timeout=120)
+    assert second.status_code == 409, second.text[:300]
+    error = second.json()["error"]
+    assert error["type"] == "Conflict" and "one at a time" in error["message"]
+    assert gated_loader.most_inside == 1
+    assert first[0].status_code == 200 and first[0].json() == {"version": version + 1}
+    back = _load(plain_server, {"path": str(served), "version": version + 2}, auth)
+    assert back.status_code == 200 and plain_server.engine.version == version + 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_cli_writes_the_token_it_makes_to_the_named_file(tmp_path):
+    token_file, port = tmp_path / "admin-token", _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "HARNESSRL_ADMIN_TOKEN"}
+    argv = [sys.executable, "-m", "harnessrl.serve", "--model", "tiny", "--warmup", "false",
+            "--num-slots", "1", "--max-model-len", "64", "--prefill-buckets", "16",
+            "--port", str(port), "--admin-token-file", str(token_file)]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
+        body = {"path": "/no/such/folder", "version": 1}
+        refused = httpx.post(url + "/admin/load_weights", json=body, timeout=30)
+        assert refused.status_code == 401
+        tried = httpx.post(
+            url + "/admin/load_weights", json=body, headers=_bearer(token), timeout=30
+        )
+        assert tried.status_code == 400 and "/no/such/folder" in tried.text
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0].decode()
+    assert str(token_file) in out and token not in out  # where to find it, not the token itself
+
+
+def test_a_made_token_is_new_each_start_and_written_only_where_asked(tmp_path):
+    from harnessrl.serve.admin import admin_token, private_token_file
+
+    named = tmp_path / "token"
+    config = ServeConfig(admin_token_file=str(named))
+    token = admin_token(config)
+    assert named.read_text().strip() == token and stat.S_IMODE(named.stat().st_mode) == 0o600
+    again = admin_token(config)
+    assert again != token and named.read_text().strip() == again  # replaced, never appended
+    assert admin_token(ServeConfig(admin_token="given", admin_token_file=str(named))) == "given"
+    assert named.read_text().strip() == again  # a given token is the caller's: not written
+    assert len({admin_token(ServeConfig()) for _ in range(3)}) == 3
+    private = private_token_file()
+    try:
+        assert stat.S_IMODE(private.parent.stat().st_mode) == 0o700 and not private.exists()
+    finally:
+        private.parent.rmdir()
 
 
 def test_embedded_sync_sends_the_token_and_swaps(bounded_server, exports):

@@ -251,19 +251,15 @@ def test_admin_load_weights_changes_version_and_output(client, server):
     before = client.completions.create(
         model="smol", prompt="Hi", max_tokens=6, temperature=0, extra_body=IDS
     )
-    bad = httpx.post(
-        server.url + "/admin/load_weights", json={"path": "nowhere", "version": 9}, timeout=60
-    )
+    auth = {"Authorization": f"Bearer {server.admin_token}"}  # made by the server: none given
+
+    def load(body: dict) -> httpx.Response:
+        return httpx.post(server.url + "/admin/load_weights", json=body, headers=auth, timeout=60)
+
+    bad = load({"path": "nowhere", "version": 9})
     assert bad.status_code == 400 and "nowhere" in bad.json()["error"]["message"]
-    assert (
-        httpx.post(server.url + "/admin/load_weights", json={"path": "exported/other"}).status_code
-        == 400
-    )
-    ok = httpx.post(
-        server.url + "/admin/load_weights",
-        json={"path": "exported/other", "version": start + 1},
-        timeout=60,
-    )
+    assert load({"path": "exported/other"}).status_code == 400
+    ok = load({"path": "exported/other", "version": start + 1})
     assert ok.status_code == 200 and ok.json() == {"version": start + 1}
     raw = client.completions.with_raw_response.create(
         model="smol", prompt="Hi", max_tokens=6, temperature=0, extra_body=IDS

@@ -9,12 +9,14 @@ loaded 2-core machine does not flip them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import httpx
+import orjson
 import pytest
-from probes import HealthPoll
+from probes import HealthPoll, body_of, connect, read_until_closed, status_of
 
 CHAT = [{"role": "user", "content": "Count to three."}]
 
@@ -140,6 +142,81 @@ def test_a_body_over_the_limit_is_413_whether_or_not_its_length_is_declared(boun
 
     streamed = httpx.post(bounded_server.url + "/tokenize", content=chunks(), timeout=60)
     _error(streamed, 413)
+
+
+MiB = 1 << 20
+
+
+def _open_body(server, declared: int, first: bytes):
+    """A raw `POST /tokenize` that declares `declared` body bytes and sends `first` of them."""
+    sock = connect(server.url, timeout_s=30)
+    head = (
+        f"POST /tokenize HTTP/1.1\r\nhost: test\r\nconnection: close\r\n"
+        f"content-type: application/json\r\ncontent-length: {declared}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + first)
+    return sock
+
+
+def _prompt_body(size: int) -> bytes:
+    """A `/tokenize` body of exactly `size` bytes (its prompt is over the 3M-character cap: 400)."""
+    return b'{"prompt": "' + b"c" * (size - 14) + b'"}'
+
+
+def _send(sock, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # the server answered and closed early: read next
+        sock.sendall(data)
+
+
+def test_bodies_in_flight_share_one_budget_and_the_one_past_it_is_503(bounded_server):
+    """The probe: 60 concurrent 15 MB bodies took the server from 0.74 to 2.1 GiB. The budget
+    (16 MiB here) counts bytes as they arrive, not as declared: a slow client holds only what it
+    sent, so two that declare 8 MiB and send 10 bytes leave room for two 7 MiB bodies."""
+    slow = [_open_body(bounded_server, 8 * MiB, b'{"prompt": ') for _ in range(2)]
+    full = _prompt_body(8 * MiB - 1024)  # two of them and the slow ones' bytes fit the budget
+    a, b = (_open_body(bounded_server, len(full), full[: 7 * MiB]) for _ in range(2))
+    time.sleep(0.3)  # the server has read both 7 MiB (its pause limit is 1 s)
+    c = _open_body(bounded_server, 3 * MiB, b"")
+    _send(c, b"d" * (3 * MiB))
+    refused = read_until_closed(c, timeout_s=3)
+    for sock in (a, b):
+        sock.sendall(full[7 * MiB :])
+    answers = [read_until_closed(sock, timeout_s=30) for sock in (a, b)]
+    for sock in (*slow, a, b, c):
+        sock.close()
+    assert status_of(refused) == 503, refused[:300]
+    error = orjson.loads(body_of(refused))["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+    assert "16777216-byte budget" in error["message"] and "max_buffered_bytes" in error["message"]
+    assert b"retry-after: 1" in refused.lower() and b"connection: close" in refused.lower()
+    # The two it had admitted were read to the end (16 MiB: the budget exactly) and answered.
+    assert [status_of(r) for r in answers] == [400, 400], [r[:300] for r in answers]
+    # Everything was given back: two full bodies at once fit again.
+    again = [_open_body(bounded_server, len(full), full) for _ in range(2)]
+    assert [status_of(read_until_closed(s, timeout_s=30)) for s in again] == [400, 400]
+
+
+def test_a_body_still_arriving_at_its_deadline_is_408(bounded_server):
+    """A client that never pauses long (0.3 s; the pause limit is 1 s) but never finishes held
+    its share of the budget forever; the whole body now has 4 s (`body_timeout_s`)."""
+    sock = _open_body(bounded_server, MiB, b'{"prompt": "')
+    t0, response = time.monotonic(), b""
+    sock.settimeout(0.3)
+    while time.monotonic() - t0 < 10 and not response:
+        _send(sock, b"e" * 1024)
+        try:
+            response = sock.recv(65536)
+        except TimeoutError:
+            continue
+    elapsed = time.monotonic() - t0
+    response += read_until_closed(sock, timeout_s=10) if response else b""
+    sock.close()
+    assert response, "still reading the body after 10 s"
+    assert status_of(response) == 408, response[:300]
+    assert 3.5 < elapsed < 8, elapsed
+    error = orjson.loads(body_of(response))["error"]
+    assert "4.0 s" in error["message"] and "body_timeout_s" in error["message"]
+    assert httpx.get(bounded_server.url + "/health", timeout=10).status_code == 200
 
 
 def test_a_full_queue_is_503_with_retry_after(bounded_server):

@@ -37,6 +37,12 @@ def test_defaults_and_decode_lengths():
         ({"max_header_bytes": 100}, "ServeConfig.max_header_bytes must be an integer >= 1024"),
         ({"read_timeout_s": 0}, "ServeConfig.read_timeout_s must be finite and > 0"),
         ({"admin_token": 5}, "admin_token must be a string"),
+        ({"admin_token_file": 5}, "admin_token_file must be a string"),
+        ({"max_buffered_bytes": 0}, "max_buffered_bytes must be a positive integer"),
+        ({"max_buffered_bytes": 1 << 20}, "below max_body_bytes=16777216"),
+        ({"body_timeout_s": 0}, "body_timeout_s must be a finite number > 0"),
+        ({"body_timeout_s": float("inf")}, "body_timeout_s"),
+        ({"body_timeout_s": True}, "body_timeout_s"),
         ({"host": "0.0.0.0"}, "not loopback: set admin_token"),
     ],
 )
