@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from guarded_vllm import DEV_ROUTES, GUARD, KEY, GuardedVllm, guard_module
+from kubectl_needed import needs_kubectl, require_kubectl
 
 from harnessrl.config import load_config
 from harnessrl.fleet.serving import remote_serving
@@ -44,10 +44,6 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SECRETS = ("harnessrl-vllm", "harnessrl-store", "harnessrl-control")
 TRAIN_PODS = ("controller/train-job.yaml", "gpu/learner-job.yaml", "gke-tpu/learner-jobset.yaml")
-
-needs_kubectl = pytest.mark.skipif(
-    shutil.which("kubectl") is None, reason="kustomize rendering needs kubectl"
-)
 
 
 @pytest.fixture
@@ -92,8 +88,7 @@ def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def base() -> list[dict[str, Any]]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kustomize rendering needs kubectl")
+    require_kubectl()
     return render("base")
 
 

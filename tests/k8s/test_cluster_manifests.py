@@ -4,13 +4,13 @@ first thing applied, vLLM fits the guide's GPU nodes, and the pods on the share 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubectl_needed import needs_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -22,10 +22,6 @@ GUIDES = {
 MACHINE_MEMORY_GIB = {"g2-standard-8": 32, "g2-standard-12": 48, "g2-standard-16": 64,
                       "g2-standard-24": 96, "g2-standard-32": 128}  # fmt: skip
 DAEMONSETS_GIB = 2.0  # what GKE's own DaemonSets (GPU plugin, logging, metadata) request per node
-
-needs_kubectl = pytest.mark.skipif(
-    shutil.which("kubectl") is None, reason="kustomize rendering needs kubectl"
-)
 
 
 def render(overlay: str) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from kubectl_needed import needs_kubectl
 from kubernetes import client
 from kubernetes.config import kube_config
 
@@ -178,7 +178,7 @@ def test_shipped_network_policy_selects_coding_pods_and_allows_only_the_sidecars
         assert selected <= servers[name]["spec"]["template"]["metadata"]["labels"].items()
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kustomize rendering needs kubectl")
+@needs_kubectl
 def test_network_policy_is_in_the_rendered_overlays() -> None:
     for overlay in ("base", "controller"):
         out = subprocess.run(

@@ -19,7 +19,6 @@ import io
 import itertools
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from unittest import mock
 import kubernetes_validate
 import pytest
 import yaml
+from kubectl_needed import have_kubectl, needs_kubectl
 
 from harnessrl.cli import resolve
 from harnessrl.config import load_config
@@ -178,7 +178,7 @@ def check_manifests(command: Command) -> None:
         if flag not in ("-k", "-f") or value.startswith("https://"):
             continue
         assert (ROOT / value).exists(), f"{command}: {value} does not exist"
-        if flag == "-k" and shutil.which("kubectl"):
+        if flag == "-k" and have_kubectl():
             assert render(value), f"{command}: {value} renders nothing"
 
 
@@ -331,7 +331,7 @@ def created_secrets(guide: Path) -> set[tuple[str, str]]:
     return out
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kustomize rendering needs kubectl")
+@needs_kubectl
 @pytest.mark.parametrize("guide", GUIDES[:2], ids=lambda g: g.name)
 def test_the_guide_creates_every_secret_its_cluster_reads(guide: Path, tmp_path: Path) -> None:
     from harnessrl.train import pod_sidecar

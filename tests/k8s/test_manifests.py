@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from kubectl_needed import needs_kubectl
 from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
@@ -75,12 +75,6 @@ def render(overlay: str) -> list[dict[str, Any]]:
         timeout=120,
     )
     return docs_of(out.stdout)
-
-
-needs_kubectl = pytest.mark.skipif(
-    shutil.which("kubectl") is None,
-    reason="kustomize rendering needs kubectl (apt-get install kubectl); files are validated anyway",
-)
 
 
 @needs_kubectl
