@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -114,7 +115,15 @@ def run_embedded(args: argparse.Namespace, root: Path) -> tuple[float, dict[str,
     folder = export_hf(model, root / "v000001")
     gb = sum(p.stat().st_size for p in folder.iterdir()) / 1e9
     print(f"export: {gb * 1000:.0f} MB in {folder}", flush=True)
-    serve = ServeConfig(port=0, num_slots=1, max_model_len=64, prefill_buckets=(16,), warmup=False)
+    token = secrets.token_urlsafe(16)  # one admin token for every replica, as a fleet has
+    serve = ServeConfig(
+        port=0,
+        num_slots=1,
+        max_model_len=64,
+        prefill_buckets=(16,),
+        warmup=False,
+        admin_token=token,
+    )
     disk = SharedDisk(root, args.shared_mib_s)
     servers = [
         start_server(sized_model(args.mb), Bytes(), serve, params_loader=disk)
@@ -126,9 +135,9 @@ def run_embedded(args: argparse.Namespace, root: Path) -> tuple[float, dict[str,
         for n in REPLICAS:
             urls = [s.url for s in servers[:n]]
             syncs = {
-                "shared_serial": EmbeddedSync(urls, parallel=False),
-                "shared": EmbeddedSync(urls),
-                "http": EmbeddedSync(urls, source=source),
+                "shared_serial": EmbeddedSync(urls, parallel=False, admin_token=token),
+                "shared": EmbeddedSync(urls, admin_token=token),
+                "http": EmbeddedSync(urls, source=source, admin_token=token),
             }
             for mode in MODES:
                 sync = syncs[mode]
