@@ -150,6 +150,10 @@ class LimitedHttpTools(HttpToolsProtocol):
         self._disarm()
         super().on_message_complete()
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers bytes it cannot parse as HTTP in plain text; both servers speak JSON.
+        self._refuse(400, msg)
+
     def _too_large(self) -> str:
         return f"request line and headers exceed {self.limits.max_header_bytes} bytes"
 
@@ -205,4 +209,7 @@ def server_config(
     """uvicorn's config for `app` with the limited protocol; `options` are uvicorn's own."""
     if "http" in options:
         raise ValueError("server_config sets uvicorn's `http` protocol itself; do not pass it")
+    # Neither server speaks WebSocket: an upgrade request is an ordinary HTTP request to the app
+    # (a JSON answer), not uvicorn's empty 403 once a WebSocket library happens to be installed.
+    options.setdefault("ws", "none")
     return uvicorn.Config(app, host=host, port=port, http=limited_protocol(limits), **options)

@@ -167,6 +167,36 @@ def test_the_sidecar_app_closes_slow_heads_under_the_same_listener(sidecar_app_s
     _huge_head_is_refused(sidecar_app_server, 4096)
 
 
+def _garbage_gets_a_json_400(url: str) -> None:
+    sock = connect(url)
+    sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+    response = read_until_closed(sock, timeout_s=10)
+    assert status_of(response) == 400, response[:300]
+    assert b"content-type: application/json" in response.lower()
+    error = orjson.loads(body_of(response))["error"]
+    assert error["code"] == 400 and error["message"] == "Invalid HTTP request received."
+
+
+def test_bytes_that_are_not_http_get_a_json_400_from_both_servers(
+    bounded_server, sidecar_app_server
+):
+    _garbage_gets_a_json_400(bounded_server.url)
+    _garbage_gets_a_json_400(sidecar_app_server)
+
+
+def test_a_websocket_upgrade_is_answered_as_http_json(bounded_server, sidecar_app_server):
+    for url, path in ((bounded_server.url, "/v1/models"), (sidecar_app_server, "/v1/models")):
+        sock = connect(url)
+        sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+        )
+        response = read_until_closed(sock, timeout_s=30)
+        assert status_of(response) != 403, response[:300]
+        assert b"application/json" in response.lower(), response[:300]
+        orjson.loads(body_of(response))
+
+
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_header_bytes"):
         HttpLimits(max_header_bytes=10)
