@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from harnessrl.listener import HttpLimits, server_config
+from harnessrl.http.listener import HttpLimits, server_config
 from proxy_sidecar.app import build_app
 from proxy_sidecar.config import parse_args
 

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from harnessrl.listener import error_body, send_body, send_json
+from harnessrl.http.listener import error_body, send_body, send_json
+from harnessrl.http.types import Receive, Scope, Send
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind, TraceStore
 from proxy_sidecar import __version__
@@ -30,7 +31,6 @@ from proxy_sidecar.errors import SidecarError, send_error
 from proxy_sidecar.metrics import Metrics
 from proxy_sidecar.proxy import read_failure, response_headers, upstream_headers
 from proxy_sidecar.recorder import Recorder
-from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamPool
 
 from proxy_sidecar.proxy import ProxyEndpoint  # isort: skip

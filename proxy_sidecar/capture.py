@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from harnessrl.listener import error_body
+from harnessrl.http.listener import error_body
 from harnessrl.traces.parse import CaptureError, StreamAssembler, parse_response
 from harnessrl.traces.schema import CallRecord, Choice, EndpointKind
 

@@ -16,7 +16,8 @@ from urllib.parse import unquote_to_bytes
 
 import orjson
 
-from harnessrl.listener import send_json
+from harnessrl.http.listener import send_json
+from harnessrl.http.types import Receive, Scope, Send
 from harnessrl.traces.schema import (
     TERMINAL_STATES,
     InvalidTransition,
@@ -40,7 +41,6 @@ from proxy_sidecar.errors import (
     send_error,
 )
 from proxy_sidecar.metrics import Metrics
-from proxy_sidecar.types import Receive, Scope, Send
 
 
 class SidecarState:

@@ -6,8 +6,8 @@ input, 502/503/504 for upstream or store trouble), sent only at the ASGI edge.
 
 from __future__ import annotations
 
-from harnessrl.listener import error_body, send_json
-from proxy_sidecar.types import Send
+from harnessrl.http.listener import error_body, send_json
+from harnessrl.http.types import Send
 
 
 class SidecarError(Exception):

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from harnessrl.listener import send_body
+from harnessrl.http.listener import send_body
+from harnessrl.http.types import Receive, Scope, Send
 from harnessrl.traces.schema import EndpointKind, policy_version_error
 from proxy_sidecar.capture import SSETee, build_record, decode_body, sse_error_event
 from proxy_sidecar.control import SidecarState, parse_object, read_body, rollout_of
@@ -26,7 +27,6 @@ from proxy_sidecar.errors import (
     UpstreamTimeout,
     send_error,
 )
-from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
 
 # Never forwarded: connection-level headers, the length we recompute, and compression (the

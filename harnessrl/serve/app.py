@@ -1,6 +1,6 @@
 """Serving stage, HTTP edge: the Starlette app (route list) and an in-process server handle.
 
-In: a loaded model (Decoder + tokenizer) and a `ServeConfig`. Out: an OpenAI/vLLM-compatible
+In: a loaded model (a family's decoder + tokenizer) and a `ServeConfig`. Out: an OpenAI/vLLM-compatible
 server; every response carries `x-harnessrl-policy-version`. `start_server` runs uvicorn on a
 thread for callers that also train in the same process, and swaps weights without HTTP.
 """
@@ -27,12 +27,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from harnessrl.bodies import Offload
 from harnessrl.engine.decode import Engine
 from harnessrl.engine.swap import load_params
-from harnessrl.listener import server_config
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.qwen3_5 import Qwen35Decoder
+from harnessrl.http.bodies import Offload
+from harnessrl.http.listener import server_config
+from harnessrl.model.registry import AnyDecoder
 from harnessrl.serve.admin import ParamsLoader, admin_token, load_weights
 from harnessrl.serve.body import BodyLimits, read_json
 from harnessrl.serve.config import ServeConfig
@@ -240,7 +239,7 @@ class ServerHandle:
 
 
 def make_server(
-    model: Decoder | Qwen35Decoder,
+    model: AnyDecoder,
     tokenizer: Tokenizer,
     config: ServeConfig,
     *,
@@ -262,7 +261,7 @@ def make_server(
 
 
 def start_server(
-    model: Decoder | Qwen35Decoder,
+    model: AnyDecoder,
     tokenizer: Tokenizer,
     config: ServeConfig | None = None,
     *,

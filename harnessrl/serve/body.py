@@ -1,4 +1,4 @@
-"""Serving stage, request bodies: read under the server's `BodyLimits` (harnessrl.bodies), then
+"""Serving stage, request bodies: read under the server's `BodyLimits` (harnessrl.http.bodies), then
 JSON-decoded on a worker thread.
 
 In: the ASGI request. Out: the decoded body, or a `RequestError` in vLLM's shape: 413 over
@@ -13,8 +13,15 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope
 
-from harnessrl import bodies
-from harnessrl.bodies import BodyBudget, BodyHold, BodyTimedOut, BodyTooLarge, BudgetFull, Offload
+from harnessrl.http import bodies
+from harnessrl.http.bodies import (
+    BodyBudget,
+    BodyHold,
+    BodyTimedOut,
+    BodyTooLarge,
+    BudgetFull,
+    Offload,
+)
 from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.protocol import RequestError
 

@@ -6,7 +6,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
-from harnessrl.listener import HttpLimits
+from harnessrl.http.listener import HttpLimits
 from harnessrl.traces.schema import policy_version_error
 
 
@@ -34,7 +34,7 @@ class ServeConfig:
     and a slot copy: these fields fix the compile count.
     """
 
-    model: str = "smollm2"  # smollm2 | HF folder | .gguf path | tiny, tiny-qwen3_5, smollm2-qwen3_5 (random weights)
+    model: str = "smollm2"  # smollm2 | HF folder | .gguf path | a random-weights spec (model.registry.RANDOM_SPECS)
     served_model_name: str = ""  # empty: the `model` spec
     host: str = "127.0.0.1"  # interface to bind; off loopback an admin token is required
     port: int = 8000  # 0 picks a free one (embedded server only)

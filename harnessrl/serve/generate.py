@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from harnessrl.bodies import Offload
 from harnessrl.engine.decode import Cancel, Engine, EngineBusy, TokenEvent
-from harnessrl.listener import send_json
+from harnessrl.http.bodies import Offload
+from harnessrl.http.listener import send_json
 from harnessrl.serve.body import BodyLimits, decode_json, read_body
 from harnessrl.serve.output import (
     ChoiceState,

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harnessrl.engine.decode import TokenEvent
+from harnessrl.model.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
 from harnessrl.serve.protocol import GenerationJob, Tokenizer
-from harnessrl.serve.tools import TOOL_CALL_OPEN, parse_tool_calls
 
 
 class TokenText:

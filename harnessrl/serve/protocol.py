@@ -11,10 +11,10 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from harnessrl.engine.sampler import SamplingParams
-from harnessrl.listener import error_body
+from harnessrl.http.listener import error_body
+from harnessrl.model.tool_calls import validate_tools
 from harnessrl.serve.config import ServeConfig
 from harnessrl.serve.sampling import parse_sampling
-from harnessrl.serve.tools import validate_tools
 
 
 class Tokenizer(Protocol):

@@ -25,6 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from harnessrl.data.pipeline import DataConfig
+from harnessrl.http.types import Receive, Scope, Send
 from harnessrl.report import read_metrics
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import RolloutState, UnknownRollout
@@ -35,7 +36,6 @@ from harnessrl.view.queries import Filters, TraceReader, UnknownCall, UnknownGro
 from harnessrl.view.sequences import HEAT_CLASSES, merged_view
 from harnessrl.view.svg import charts
 from harnessrl.view.tokens import Decode, cached_decode, decoder_for
-from proxy_sidecar.types import Receive, Scope, Send
 
 HERE = Path(__file__).parent
 COOKIE = "harnessrl_view"

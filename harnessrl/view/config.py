@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.listener import HttpLimits
+from harnessrl.http.listener import HttpLimits
 from harnessrl.serve.config import is_loopback
 
 

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import uvicorn
 
-from harnessrl.listener import server_config
+from harnessrl.http.listener import server_config
 from harnessrl.view.app import build_app
 from harnessrl.view.config import ViewConfig
 

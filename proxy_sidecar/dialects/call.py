@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from harnessrl.serve.tools import parse_tool_calls
+from harnessrl.model.tool_calls import parse_tool_calls
 from harnessrl.traces.schema import Choice
 from proxy_sidecar.errors import BadRequest
 

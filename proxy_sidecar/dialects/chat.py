@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from harnessrl.listener import error_body
+from harnessrl.http.listener import error_body
 from proxy_sidecar.dialects.call import (
     Completion,
     Conversation,

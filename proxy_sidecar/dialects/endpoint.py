@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import orjson
 from starlette.routing import Route
 
-from harnessrl.listener import send_json
+from harnessrl.http.listener import send_json
+from harnessrl.http.types import Receive, Scope, Send
 from harnessrl.traces.parse import CaptureError, StreamAssembler, parse_response
 from harnessrl.traces.schema import EndpointKind
 from proxy_sidecar.capture import build_record, decode_body, error_message
@@ -41,7 +42,6 @@ from proxy_sidecar.proxy import (
     store_call,
     watch_disconnect,
 )
-from proxy_sidecar.types import Receive, Scope, Send
 from proxy_sidecar.upstream import UpstreamFailure, UpstreamResponse
 
 _COMPLETIONS = EndpointKind.COMPLETIONS

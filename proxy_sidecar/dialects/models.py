@@ -11,11 +11,11 @@ import datetime
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from harnessrl.listener import send_json
+from harnessrl.http.listener import send_json
+from harnessrl.http.types import Message, Receive, Scope, Send
 from proxy_sidecar.capture import decode_body, error_message
 from proxy_sidecar.dialects.messages import Messages
 from proxy_sidecar.errors import NoUpstream
-from proxy_sidecar.types import Message, Receive, Scope, Send
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 

@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from harnessrl.listener import error_body
+from harnessrl.http.listener import error_body
 from proxy_sidecar.dialects.call import (
     Completion,
     Conversation,

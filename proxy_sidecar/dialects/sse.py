@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from harnessrl.serve.tools import TOOL_CALL_OPEN
+from harnessrl.model.tool_calls import TOOL_CALL_OPEN
 from proxy_sidecar.dialects.call import THINK_CLOSE, THINK_OPEN
 
 

@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     args, spec = parse_args(argv)
     import uvicorn
 
-    from harnessrl.listener import HttpLimits, server_config
+    from harnessrl.http.listener import HttpLimits, server_config
 
     # The API server is its only client, but the port is reachable in-cluster: bounded heads.
     listener = server_config(

@@ -41,7 +41,7 @@ def bounded_server(bounded_tokenizer):
     from fakes import ADMIN_TOKEN, bounded_model_config
     from flax import nnx
 
-    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.families.dense.decoder import Decoder
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 
@@ -93,7 +93,7 @@ def plain_server(timed_bpe, gated_loader):
     from fakes import bounded_model_config
     from flax import nnx
 
-    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.families.dense.decoder import Decoder
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 

@@ -14,7 +14,7 @@ ADMIN_TOKEN = "admin-test-token"  # the bounded server's (conftest)
 
 def bounded_model_config() -> Any:
     """The tiny random model behind conftest's `bounded_server` (bytes, 1024 positions)."""
-    from harnessrl.model.config import ModelConfig
+    from harnessrl.model.families.dense.config import ModelConfig
 
     return ModelConfig.tiny(vocab_size=VOCAB, eos_token_id=IM_END, max_position_embeddings=1024)
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from harnessrl.fleet.serving import remote_serving
 from harnessrl.fleet.weight_sync import EmbeddedSync, WeightSyncError
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.model.formats.export import export_hf
 from harnessrl.serve.__main__ import parse_args
 from harnessrl.serve.config import ServeConfig, is_loopback

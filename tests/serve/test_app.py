@@ -14,8 +14,8 @@ import openai
 import pytest
 from flax import nnx
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 

@@ -16,8 +16,8 @@ from flax import nnx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.serve.app import start_server
 from harnessrl.serve.config import ServeConfig
 

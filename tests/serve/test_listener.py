@@ -19,7 +19,7 @@ import uvicorn
 from probes import body_of, connect, read_until_closed, status_of
 
 from harnessrl.fleet.sidecar import SidecarProcess
-from harnessrl.listener import HttpLimits, limited_protocol, server_config
+from harnessrl.http.listener import HttpLimits, limited_protocol, server_config
 from proxy_sidecar.app import build_app
 from proxy_sidecar.config import SidecarConfig
 

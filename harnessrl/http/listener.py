@@ -21,7 +21,7 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy_sidecar.types import Send
+from harnessrl.http.types import Send
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Serving stage, tool calls: request `tools` → validated list; completion text → `tool_calls`.
+"""Model stage, tool calls: request `tools` → validated list; completion text → `tool_calls`.
 
 The format is the hermes one that SmolLM2/Qwen-style templates define and vLLM's `hermes` parser
 reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of times.

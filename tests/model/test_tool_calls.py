@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harnessrl.serve.tools import parse_tool_calls, validate_tools
+from harnessrl.model.tool_calls import parse_tool_calls, validate_tools
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 

@@ -1,0 +1,1 @@
+"""The HTTP edge every server shares: the bounded listener, request body budgets, ASGI types."""
