@@ -27,11 +27,11 @@ from harnessrl.cli import (
     parse_argv,
     typed,
 )
+from harnessrl.coding.rollouts import CodingConfig, is_coding
 from harnessrl.data.pipeline import DataConfig
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import SLICE_KEYS, load_slice_config, recipe_path, split_error
-from harnessrl.rollout.coding import CodingConfig, is_coding
-from harnessrl.rollout.k8s import KubernetesLauncherConfig
+from harnessrl.pods.k8s import KubernetesLauncherConfig
 from harnessrl.rollout.local import LocalLauncherConfig
 from harnessrl.rollout.round import POSTED_REWARD
 from harnessrl.serve.config import ServeConfig

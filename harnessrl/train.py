@@ -24,6 +24,13 @@ from typing import Any
 import jax
 
 from harnessrl.cli import fail
+from harnessrl.coding.rollouts import (
+    CodingEvaluator,
+    CodingLauncher,
+    coding_metrics,
+    coding_task_sets,
+    is_coding,
+)
 from harnessrl.coding.tasks import CodingTask
 from harnessrl.config import TrainConfig
 from harnessrl.config import parse_args as parse_config
@@ -48,18 +55,13 @@ from harnessrl.learner.step import Learner
 from harnessrl.model.formats.load import check_policy_spec, load_policy
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics
 from harnessrl.rollout import (
-    CodingEvaluator,
-    CodingLauncher,
     Evaluate,
     Launcher,
     LocalLauncher,
     RoundResult,
     Task,
     addition_tasks,
-    coding_metrics,
-    coding_task_sets,
     get_evaluator,
-    is_coding,
     load_tasks,
     parse_command,
     plan_round,
@@ -155,7 +157,7 @@ def make_launcher(cfg: TrainConfig, coding: Coding) -> Launcher:
             model=cfg.sidecar.model or cfg.serve.model_name,
         )
     if r.launcher == "kubernetes":
-        from harnessrl.rollout.k8s import KubernetesLauncher
+        from harnessrl.pods.k8s import KubernetesLauncher
 
         k8s = r.kubernetes
         command = harness_command(cfg, k8s.command)

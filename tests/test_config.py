@@ -14,7 +14,7 @@ import yaml
 from harnessrl.cli import get, leaves, render, resolve
 from harnessrl.config import HELP, TrainConfig, load_config, parse_args, reference
 from harnessrl.learner.mesh import TPU_CONFIGS_DIR, available_slice_configs
-from harnessrl.rollout.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
+from harnessrl.pods.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
 from harnessrl.rollout.local import LocalLauncherConfig
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.inject.webhook import SidecarSpec

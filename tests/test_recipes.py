@@ -17,14 +17,14 @@ from test_docs_commands import doc_commands, program_of, project_module
 
 from harnessrl.cli import get, leaves
 from harnessrl.coding.repo import mirror_of
+from harnessrl.coding.rollouts import coding_task_sets, is_coding
 from harnessrl.coding.tasks import task_from_row
 from harnessrl.config import TrainConfig, load_config
 from harnessrl.fleet import remote_serving
 from harnessrl.learner.mesh import TPU_CONFIGS_DIR, load_slice_config, recipe_path
 from harnessrl.learner.plan import check_fits, run_settings
-from harnessrl.model.config import ModelConfig
+from harnessrl.model.families.dense.config import ModelConfig
 from harnessrl.model.formats.load import load_policy
-from harnessrl.rollout import coding_task_sets, is_coding
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

@@ -93,9 +93,9 @@ def play_round(
 ) -> dict[str, list[float | None]]:
     """k runs of each task, made and graded as the train loop makes them; rewards by task."""
     from harnessrl import train
+    from harnessrl.coding.rollouts import as_task
     from harnessrl.model.formats.load import load_policy
     from harnessrl.rollout import plan_round, run_round
-    from harnessrl.rollout.coding import as_task
     from harnessrl.traces import open_store
 
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, evaluator="coding"))

@@ -74,7 +74,7 @@ class Replicas:
     def _slices(self, service: Service) -> list[dict[str, Any]]:
         from kubernetes import client
 
-        from harnessrl.rollout.k8s_api import default_api_client, with_retries
+        from harnessrl.pods.k8s_api import default_api_client, with_retries
 
         if self._api_client is None:
             self._api_client = default_api_client()

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from harnessrl.coding.rollouts import CodingConfig, mini_config_file
 from harnessrl.coding.tasks import CodingTask
+from harnessrl.pods.k8s import HARNESS_CONTAINER, KubernetesLauncher, KubernetesLauncherConfig
+from harnessrl.pods.k8s import job_manifest as plain_manifest
 from harnessrl.pods.runner import checkout_row, unframe
-from harnessrl.rollout.coding import CodingConfig, mini_config_file
-from harnessrl.rollout.k8s import HARNESS_CONTAINER, KubernetesLauncher, KubernetesLauncherConfig
-from harnessrl.rollout.k8s import job_manifest as plain_manifest
 from harnessrl.rollout.tasks import RunResult, RunSpec
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.control import rollout_url

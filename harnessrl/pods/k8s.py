@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from harnessrl.cli import command_line
-from harnessrl.rollout.k8s_api import (
+from harnessrl.pods.k8s_api import (
     TRANSIENT_STATUS,
     default_api_client,
     describe,
@@ -563,7 +563,7 @@ def _result(
 
 @dataclass(frozen=True)
 class JobsCommand:
-    """`python -m harnessrl.rollout.k8s`: run tasks as Jobs and print each result as JSON."""
+    """`python -m harnessrl.pods.k8s`: run tasks as Jobs and print each result as JSON."""
 
     jobs: KubernetesLauncherConfig = field(default_factory=KubernetesLauncherConfig)
     tasks: str = ""  # JSONL task file; "": one task from --prompt
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     args: JobsCommand = command_line(
         JobsCommand(),
         sys.argv[1:] if argv is None else argv,
-        prog="python -m harnessrl.rollout.k8s",
+        prog="python -m harnessrl.pods.k8s",
         doc=JobsCommand.__doc__ or "",
         required=("jobs.image", "jobs.command"),
     )

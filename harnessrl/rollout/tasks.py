@@ -92,7 +92,7 @@ class RunSpec:
 @dataclass(frozen=True)
 class RunResult:
     """What a finished run left behind; `output` is the harness's final answer (its stdout, or
-    for coding tasks the diff we took of its checkout)."""
+    what its launcher took of its work, such as the diff of a checkout)."""
 
     rollout_id: str
     state: RolloutState

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
+from harnessrl.coding.rollouts import CodingConfig, CodingEvaluator, CodingLauncher, as_task
 from harnessrl.coding.sandbox import SandboxConfig, bwrap_problem
 from harnessrl.coding.taskset import load_shipped
 from harnessrl.data.pipeline import DataConfig, build_step, read_traces
 from harnessrl.fleet.sidecar import SidecarProcess
 from harnessrl.model.formats.load import load_policy
-from harnessrl.rollout.coding import CodingConfig, CodingEvaluator, CodingLauncher, as_task
 from harnessrl.rollout.local import LocalLauncherConfig
 from harnessrl.rollout.round import plan_round, run_round
 from harnessrl.serve.app import start_server

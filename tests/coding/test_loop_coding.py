@@ -23,6 +23,13 @@ from fake_vllm import ServerThread
 from scripted_agent import Script, ScriptedAgent, apply_patch_command
 
 from harnessrl.coding.grade import GradeConfig
+from harnessrl.coding.rollouts import (
+    CodingConfig,
+    CodingEvaluator,
+    CodingLauncher,
+    as_task,
+    coding_metrics,
+)
 from harnessrl.coding.sandbox import SandboxConfig
 from harnessrl.coding.taskset import load_shipped
 from harnessrl.data.pipeline import DataConfig, build_step, read_traces
@@ -31,13 +38,6 @@ from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import make_mesh
 from harnessrl.learner.step import Learner
 from harnessrl.model.formats.load import load_policy
-from harnessrl.rollout.coding import (
-    CodingConfig,
-    CodingEvaluator,
-    CodingLauncher,
-    as_task,
-    coding_metrics,
-)
 from harnessrl.rollout.local import LocalLauncherConfig
 from harnessrl.rollout.round import RoundResult, plan_round, run_round
 from harnessrl.traces import TraceStore, open_store

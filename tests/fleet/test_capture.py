@@ -103,7 +103,7 @@ def test_a_pods_reward_credential_is_what_its_sidecar_accepts_for_that_rollout_o
 
 
 def test_the_reward_credential_reaches_the_harness_container_of_a_job() -> None:
-    from harnessrl.rollout.k8s import HARNESS_CONTAINER, KubernetesLauncherConfig, job_manifest
+    from harnessrl.pods.k8s import HARNESS_CONTAINER, KubernetesLauncherConfig, job_manifest
     from harnessrl.rollout.round import plan_round
     from harnessrl.rollout.tasks import Task
 
@@ -151,7 +151,7 @@ def test_a_pod_that_cannot_drain_fails_the_push_naming_it_and_its_calls_in_fligh
 
 
 def test_eval_runs_start_their_pod_sidecars_in_eval_mode() -> None:
-    from harnessrl.rollout.k8s import KubernetesLauncherConfig, job_manifest
+    from harnessrl.pods.k8s import KubernetesLauncherConfig, job_manifest
     from harnessrl.rollout.round import plan_round
     from harnessrl.rollout.tasks import Task
 

@@ -29,7 +29,7 @@ from kubectl_needed import needs_kubectl, require_kubectl
 from harnessrl.config import load_config
 from harnessrl.fleet.serving import remote_serving
 from harnessrl.fleet.weight_sync import WeightSyncError
-from harnessrl.rollout.k8s import KubernetesLauncherConfig, job_manifest
+from harnessrl.pods.k8s import KubernetesLauncherConfig, job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.train import pod_sidecar
 from proxy_sidecar.inject.webhook import (
@@ -187,9 +187,9 @@ def coding_pod(base: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
     """A coding task's Job pod (harnessrl.pods) as the shipped train config's sidecar makes it."""
     from kubernetes import client
 
+    from harnessrl.coding.rollouts import CodingConfig, as_task
     from harnessrl.coding.taskset import load_shipped
     from harnessrl.pods.coding import KubernetesCodingLauncher, coding_job
-    from harnessrl.rollout.coding import CodingConfig, as_task
 
     config = dataclasses.replace(
         launcher_config(base, tmp_path), image="registry.example.com/harnessrl:1"

@@ -21,12 +21,12 @@ from kubectl_needed import needs_kubectl
 from kubernetes import client
 from kubernetes.config import kube_config
 
+from harnessrl.coding.rollouts import CodingConfig, CodingEvaluator, as_task
 from harnessrl.coding.tasks import CodingTask
 from harnessrl.coding.taskset import load_shipped
 from harnessrl.pods.coding import SANDBOX_LABEL, KubernetesCodingLauncher, coding_job
+from harnessrl.pods.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
 from harnessrl.pods.runner import BEGIN, END, checkout_row, frame, unframe
-from harnessrl.rollout.coding import CodingConfig, CodingEvaluator, as_task
-from harnessrl.rollout.k8s import KubernetesCodingConfig, KubernetesLauncherConfig
 from harnessrl.rollout.tasks import RunSpec
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.inject.webhook import SIDECAR_NAME, SidecarSpec

@@ -33,7 +33,7 @@ from kubectl_needed import have_kubectl, needs_kubectl
 
 from harnessrl.cli import resolve
 from harnessrl.config import load_config
-from harnessrl.rollout import k8s as launcher
+from harnessrl.pods import k8s as launcher
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.inject import webhook
 
@@ -203,7 +203,7 @@ def check_vllm(command: Command) -> None:
 
 def check_ours(command: Command) -> None:
     module, args = command.words[2], list(command.words[3:])
-    if module == "harnessrl.rollout.k8s":
+    if module == "harnessrl.pods.k8s":
         for flag in options(command.words[3:]):
             resolve(launcher.JobsCommand, flag)  # raises naming the unknown key
         if "--dry-run" in args:  # what the guide prints is a Job the API server takes
@@ -380,7 +380,7 @@ def test_probes_of_vllm_send_its_key_or_ask_health() -> None:
         ("gcloud container clusters create x --enable-netpol", "takes no"),
         ("kubectl frobnicate pods", "no known"),
         ("kubectl apply -k k8s/no-such-overlay", "does not exist"),
-        ("python -m harnessrl.rollout.k8s --dry-run --imagee x", "imagee"),
+        ("python -m harnessrl.pods.k8s --dry-run --imagee x", "imagee"),
         ("python -m proxy_sidecar --upstreem http://a:1", "upstreem"),
         ("NOT_READ_ANYWHERE_X=1 make vllm-env", "nothing reads"),
     ],

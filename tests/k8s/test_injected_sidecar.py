@@ -31,7 +31,7 @@ import yaml
 from guarded_vllm import KEY, SERVED, GuardedVllm
 
 from harnessrl.config import load_config
-from harnessrl.rollout.k8s import job_manifest
+from harnessrl.pods.k8s import job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind

@@ -19,7 +19,7 @@ import yaml
 from kubernetes import client
 
 from harnessrl.data.advantages import compute_advantages
-from harnessrl.rollout.k8s import (
+from harnessrl.pods.k8s import (
     KubernetesLauncher,
     KubernetesLauncherConfig,
     job_manifest,
@@ -253,7 +253,7 @@ def test_bad_config_is_rejected_with_the_field_name() -> None:
 
 
 def test_cli_flags_are_the_launcher_config(capsys: pytest.CaptureFixture[str]) -> None:
-    from harnessrl.rollout.k8s import main
+    from harnessrl.pods.k8s import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--dry-run", "--command", "h {task_file}"])
@@ -278,7 +278,7 @@ def test_cli_flags_are_the_launcher_config(capsys: pytest.CaptureFixture[str]) -
 
 def test_dry_run_prints_a_valid_job() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "harnessrl.rollout.k8s", "--dry-run", "--image", "reg/harness:1",
+        [sys.executable, "-m", "harnessrl.pods.k8s", "--dry-run", "--image", "reg/harness:1",
          "--command", "python -m harness --task {task_file}", "--prompt", "What is 4+4?"],
         cwd=ROOT, capture_output=True, text=True, check=True, timeout=120,
     ).stdout  # fmt: skip

@@ -16,13 +16,13 @@ import httpx
 import pytest
 from kubernetes import client
 
-from harnessrl.rollout.k8s import (
+from harnessrl.pods.k8s import (
     KubernetesLauncher,
     KubernetesLauncherConfig,
     job_manifest,
     job_name,
 )
-from harnessrl.rollout.k8s_api import retry_after_s, retry_delay
+from harnessrl.pods.k8s_api import retry_after_s, retry_delay
 from harnessrl.rollout.tasks import RunSpec, Task
 from harnessrl.traces.schema import RolloutState
 from proxy_sidecar.inject.webhook import SidecarSpec
