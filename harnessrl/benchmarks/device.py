@@ -34,10 +34,10 @@ from harnessrl.engine.sampler import SamplingParams
 from harnessrl.host_memory import keep_freed_memory
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
-from harnessrl.model.config import HF_SHAPES, ModelConfig
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.formats.load import QWEN35_SHAPES
-from harnessrl.model.qwen3_5 import Qwen35Config
+from harnessrl.model.families.dense.config import HF_SHAPES, ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.qwen3_5 import SHAPES as QWEN35_SHAPES
+from harnessrl.model.families.qwen3_5 import Qwen35Config
 from harnessrl.serve.config import ServeConfig
 
 TINY_QWEN3 = dict(

@@ -328,7 +328,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 
 def main(argv: Sequence[str] | None = None) -> None:
     args, names = parse_args(argv)
-    from harnessrl.model.config import ModelConfig
+    from harnessrl.model.families.dense.config import ModelConfig
     from harnessrl.model.formats.load import load_model
 
     devices = jax.devices()

@@ -27,9 +27,9 @@ import numpy as np
 from flax import nnx
 
 from harnessrl.host_memory import keep_freed_memory
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
 
 # Qwen3.5 on accelerators: Qwen3.5-9B's widths. On CPU SmolLM2's widths, a short row and a small
 # vocab: the 9B widths need ~11 GB of host memory for our step alone (weights, gradients and a
@@ -180,9 +180,9 @@ def torch_reference(model: Decoder | Qwen35Decoder, attn: str = "sdpa") -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from harnessrl.model.families.dense.hf import hf_from_params
+    from harnessrl.model.families.qwen3_5.hf import hf_from_params as qwen35_hf_from_params
     from harnessrl.model.formats.export import params_numpy
-    from harnessrl.model.formats.hf_import import hf_from_params
-    from harnessrl.model.qwen3_5.hf import hf_from_params as qwen35_hf_from_params
 
     hf_config = model.cfg.to_hf_config()
     if isinstance(model, Qwen35Decoder):
@@ -218,7 +218,7 @@ def torch_step(model: Decoder | Qwen35Decoder, tokens: np.ndarray) -> Callable[[
 
 def qwen35_model(args: argparse.Namespace) -> Qwen35Decoder:
     """A random Qwen3.5 text model of `--shape` with `--layers` layers (and `--vocab` if set)."""
-    from harnessrl.model.formats.load import QWEN35_SHAPES
+    from harnessrl.model.families.qwen3_5 import SHAPES as QWEN35_SHAPES
 
     if args.shape not in QWEN35_SHAPES:
         raise ValueError(f"--shape {args.shape!r} is not one of {sorted(QWEN35_SHAPES)}")

@@ -22,9 +22,9 @@ import numpy as np
 
 from harnessrl.benchmarks.model import side_by_side
 from harnessrl.host_memory import keep_freed_memory
-from harnessrl.model.formats.load import QWEN35_SHAPES
-from harnessrl.model.qwen3_5 import Qwen35Config
-from harnessrl.model.qwen3_5 import gated_deltanet as gdn
+from harnessrl.model.families.qwen3_5 import SHAPES as QWEN35_SHAPES
+from harnessrl.model.families.qwen3_5 import Qwen35Config
+from harnessrl.model.families.qwen3_5 import gated_deltanet as gdn
 
 
 def mixer_inputs(cfg: Qwen35Config, rows: int, length: int, seed: int = 0) -> tuple[jax.Array, ...]:

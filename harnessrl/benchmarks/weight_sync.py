@@ -45,8 +45,8 @@ def sized_model(mb: int) -> Any:
     """A random decoder with about `mb` MB of float32 weights (mostly its layers' matmuls)."""
     from flax import nnx
 
-    from harnessrl.model.config import ModelConfig
-    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.families.dense.config import ModelConfig
+    from harnessrl.model.families.dense.decoder import Decoder
 
     hidden = 512
     per_layer = 4 * (4 * hidden * hidden + 3 * hidden * 4 * hidden)  # attention + MLP, bytes

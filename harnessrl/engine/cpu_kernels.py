@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from harnessrl.kernels.build import load
-from harnessrl.model.decoder import DecodeKernels
+from harnessrl.model.hooks import DecodeKernels
 
 __all__ = ["KERNELS", "MAX_SLOTS", "decode_attention", "load", "matvec"]
 

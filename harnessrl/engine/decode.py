@@ -25,8 +25,7 @@ import numpy as np
 from harnessrl.engine.sampler import SamplingParams
 from harnessrl.engine.steps import DeviceSteps, EngineConfig, Logits
 from harnessrl.engine.swap import ParamSwap
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.qwen3_5 import Qwen35Decoder
+from harnessrl.model.registry import AnyDecoder
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +104,7 @@ def _deliver(sink: Sink, events: list[TokenEvent]) -> None:
 class Engine:
     """Continuous-batching decoder over `num_slots` KV-cache rows, run on a background thread."""
 
-    def __init__(
-        self, model: Decoder | Qwen35Decoder, eos_token_ids: Any, config: EngineConfig
-    ) -> None:
+    def __init__(self, model: AnyDecoder, eos_token_ids: Any, config: EngineConfig) -> None:
         self.config = config
         self.model_config = model.cfg
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)

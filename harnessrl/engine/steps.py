@@ -17,14 +17,13 @@ from flax import nnx
 
 from harnessrl.engine import cpu_kernels
 from harnessrl.engine.sampler import SamplingParams, sample_tokens
-from harnessrl.model import bf16_bits
-from harnessrl.model.decoder import DecodeKernels, Decoder, KVCache
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
-from harnessrl.model.qwen3_5.cache import HybridCache
+from harnessrl.model import bf16_bits, registry
+from harnessrl.model.hooks import DecodeKernels
+from harnessrl.model.registry import AnyDecoder
 
 SampleOut = tuple[int, float, np.ndarray, np.ndarray]  # token, logprob, top ids, top logprobs
 Logits = tuple[jax.Array, int]  # a prefill's `[num_slots, vocab]` logits block and the row to read
-Cache = Any  # KVCache, or HybridCache for the Qwen3.5 family
+Cache = Any  # the model family's serving cache (`registry.Family.cache`)
 
 
 class EngineConfig(Protocol):
@@ -57,11 +56,13 @@ class EngineConfig(Protocol):
 class DeviceSteps:
     """The serving model's params + KV cache and the compiled programs that touch them."""
 
-    def __init__(self, model: Decoder | Qwen35Decoder, config: EngineConfig) -> None:
-        if config.weight_dtype == "bfloat16" and isinstance(model, Qwen35Decoder):
+    def __init__(self, model: AnyDecoder, config: EngineConfig) -> None:
+        family = registry.of(model)
+        if config.weight_dtype == "bfloat16" and not family.serves_bf16_weights:
+            served = " / ".join(f.label for f in registry.FAMILIES if f.serves_bf16_weights)
             raise ValueError(
-                "weight_dtype='bfloat16' serves the Llama / Qwen2 / Qwen3 decoder; serve the "
-                "Qwen3.5 family with weight_dtype='float32'"
+                f"weight_dtype='bfloat16' serves the {served} decoder; serve the "
+                f"{family.label} family with weight_dtype='float32'"
             )
         cfg = model.cfg
         self.config = config
@@ -78,16 +79,17 @@ class DeviceSteps:
         device = jax.tree.leaves(self.state)[0].sharding
         self._device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
         self._model_config = cfg
-        self._cache_type = HybridCache if isinstance(cfg, Qwen35Config) else KVCache
+        self._cache_type = family.cache
         # A recurrent state holds its slot's latest token, not the prompt's end: a sibling
         # choice copied from it later would start mid-answer, so each choice prefills instead.
-        self.copies_prompts = self._cache_type is KVCache
+        self.copies_prompts = not family.recurrent
         # For the same reason only a KV cache can be resumed after a held prefix.
         self.resumes_prefixes = self.copies_prompts and config.prefix_caching
-        # First chunks of several prompts go through one packed call (`Decoder.prefill_packed`);
-        # a recurrent state cannot restart mid-row, so Qwen3.5 prefills one prompt at a time, and
-        # so does a Decoder subclass that overrides `decode`: it is served through its own.
-        self.packs_prompts = self._cache_type is KVCache and type(model).decode is Decoder.decode
+        # First chunks of several prompts go through one packed call (`prefill_packed`); a
+        # recurrent state cannot restart mid-row, so a recurrent family prefills one prompt at a
+        # time, and so does a decoder subclass that overrides `decode`: it is served through its own.
+        own_decode = type(model).decode is family.decoder.decode
+        self.packs_prompts = not family.recurrent and own_decode
         # A packed chunk may resume after up to this many tokens its slot holds (0: packs hold
         # first chunks only); every packed call then reads that window of every slot.
         self.prefix_window = (
@@ -97,12 +99,13 @@ class DeviceSteps:
         )
         self.cache = self._new_cache()
         # Decode steps multiply a few rows by every weight and read each slot's cache once: the C++
-        # kernels stream both faster than XLA:CPU's ops. Only the dense family's own `decode` takes
-        # them, in float32; prefill stays on XLA.
+        # kernels stream both faster than XLA:CPU's ops. Only a family's own `decode` that takes
+        # them does, in float32; prefill stays on XLA.
         self._kernels: DecodeKernels | None = None
         if (
             config.cpu_kernels
-            and type(model).decode is Decoder.decode
+            and family.decode_kernels
+            and own_decode
             and config.num_slots <= cpu_kernels.MAX_SLOTS
             and cfg.compute_jnp_dtype == jnp.float32
             and cpu_kernels.load(getattr(next(iter(self._device.device_set)), "platform", None))
@@ -119,9 +122,9 @@ class DeviceSteps:
         self._copy = jax.jit(self._counted(self._copy_fn), donate_argnums=(0,))
         self._first = jax.jit(self._counted(self._first_fn))
 
-    def _new_cache(self) -> KVCache | HybridCache:
+    def _new_cache(self) -> Cache:
         cache = self._cache_type.create(
-            self._model_config,  # type: ignore[arg-type]  # the cache type follows the config
+            self._model_config,  # the family's cache takes its config
             slots=self.config.num_slots,
             max_len=self.config.max_model_len,
         )
@@ -217,7 +220,7 @@ class DeviceSteps:
         held_n: jax.Array,
     ) -> tuple[Cache, jax.Array]:
         model = nnx.merge(self.graphdef, state, self._rest)
-        assert isinstance(model, Decoder)  # packs_prompts: the dense family only
+        assert self.packs_prompts
         logits_1nv, cache = model.prefill_packed(
             tokens_c[None],
             positions_c[None],

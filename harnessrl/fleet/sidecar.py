@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from harnessrl.cli import to_argv
-from harnessrl.model.formats.load import QWEN35_SHAPES, TINY
+from harnessrl.model import registry
 from proxy_sidecar.config import SidecarConfig
 from proxy_sidecar.control import rollout_url
 
@@ -32,7 +32,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # Model specs whose tokenizer is SmolLM2's (random policies around it, and SmolLM2 itself).
-SMOLLM2_SPECS = frozenset({TINY, "smollm2", *QWEN35_SHAPES})
+SMOLLM2_SPECS = frozenset({"smollm2", *registry.RANDOM_SPECS})
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

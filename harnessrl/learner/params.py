@@ -1,6 +1,6 @@
 """Learner stage: an NNX model seen as plain parameter trees with mesh shardings.
 
-In: a Flax NNX module whose params carry logical axis names (`harnessrl.model.decoder.Decoder`).
+In: a Flax NNX module whose params carry logical axis names (every family's decoder, `harnessrl.model.registry`).
 Out: `ModelParts` (graph definition and non-trainable state), the params as a nested dict of
 arrays, their `NamedSharding`s from THE rules table, and the way back to a module (`merge`).
 """

@@ -39,38 +39,24 @@ from harnessrl.learner.mesh import (
     recipe_path,
     resolve_mesh_sizes,
 )
-from harnessrl.model.config import HF_SHAPES, ModelConfig
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
-from harnessrl.model.qwen3_5.config import MODEL_TYPES as QWEN35_TYPES
+from harnessrl.model import registry
 from harnessrl.model.sharding import logical_to_spec
 
-AnyConfig = ModelConfig | Qwen35Config
+AnyConfig = Any  # a model family's config (`harnessrl.model.registry`)
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
-# What `load_policy` builds for `tiny` (random weights around SmolLM2's 49,152-token tokenizer).
-TINY_VOCAB = 49152
-NAMED_SHAPES = (*HF_SHAPES, "qwen3_5-9b", "smollm2", "tiny")
+NAMED_SHAPES = tuple(registry.PLANNED_SHAPES)
 
 
 def model_shape(spec: str) -> AnyConfig:
     """A decoder's shape without its weights: a named shape (`NAMED_SHAPES`), an HF model folder,
-    or its `config.json` (Llama, Qwen2, Qwen3 dense, or Qwen3.5)."""
-    if spec in HF_SHAPES:
-        return ModelConfig.from_hf_config(HF_SHAPES[spec])
-    if spec == "qwen3_5-9b":
-        return Qwen35Config()  # the defaults are Qwen3.5-9B's text model
-    if spec == "smollm2":
-        return ModelConfig()  # the defaults are SmolLM2-135M-Instruct
-    if spec == "tiny":
-        return ModelConfig.tiny(vocab_size=TINY_VOCAB, max_position_embeddings=4096)
+    or its `config.json` (of any family in `harnessrl.model.registry`)."""
+    if spec in registry.PLANNED_SHAPES:
+        return registry.PLANNED_SHAPES[spec]()
     path = Path(spec)
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
-        hf = json.loads(config.read_text())
-        if hf.get("model_type") in QWEN35_TYPES:
-            return Qwen35Config.from_hf_config(hf)
-        return ModelConfig.from_hf_config(hf)
+        return registry.config_from_hf(json.loads(config.read_text()))
     raise ValueError(
         f"--model {spec!r} is neither a named shape ({', '.join(NAMED_SHAPES)}), an HF model "
         "folder with a config.json, nor a config.json file"
@@ -106,8 +92,8 @@ class Layout:
 @functools.cache
 def param_leaves(cfg: AnyConfig) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:
     """(shape, logical axes) of every param, from the real decoder built abstractly."""
-    family: Any = Qwen35Decoder if isinstance(cfg, Qwen35Config) else Decoder
-    abstract = nnx.eval_shape(lambda: family(cfg, rngs=nnx.Rngs(0)))
+    decoder = registry.of(cfg).decoder
+    abstract = nnx.eval_shape(lambda: decoder(cfg, rngs=nnx.Rngs(0)))
     variables = jax.tree.leaves(
         nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
@@ -155,43 +141,9 @@ def layer_kinds(
     cfg: AnyConfig, layout: Layout, b: int, t: int, c: int
 ) -> list[tuple[int, int, int, int]]:
     """(count, A, A', B) per layer kind, in bytes per chip (see `activation_bytes`); A' is what
-    a fully kept forward holds besides A (the masked scores in float32).
-
-    Residual stream and MLP, every kind: 4 d c + 2 d 4 per token (the layer input, the normed
-    inputs and the mid residual; the norms in float32) and f (3c + 4) (SwiGLU gate, up, their
-    product; the sigmoid in float32). Softmax attention adds per token (h + 2k) e c + (h + k)
-    e (8 + c) + h e c (q, k, v; the q/k norms and RoPE in float32; the output) and b h t^2 (4 +
-    c) (the softmax output in float32 and compute dtype; B is the same again; A' the masked
-    scores, b h t^2 4). Qwen3.5's gated attention adds its gate (h e (c + 4)). Its Gated
-    DeltaNet layers keep, per token, the conv's W shifted inputs and float32 outputs
-    (2 r k + h_v v)(W c + 8), the gate z (h_v v c), the float32 queries and keys (normalized,
-    repeated to the value heads, chunked, beta-scaled, decayed, and the scan's copies) and values
-    (chunked, beta-scaled, the solved u, the corrected v, the output and its norm): 14 h_v k 4 +
-    10 h_v v 4; the chunk's masks, decays, A, (I + A) and intra-chunk scores, 8 h_v C 4 for chunk
-    C; and the state carried into each chunk, h_v k v 4 / C. B is one set of the chunk matrices.
-    The Qwen3.5 coefficients count the float32 copies XLA keeps of `chunked_gated_delta_rule`.
-    """
-    d, f = cfg.hidden_size, layout.per_chip("mlp", cfg.intermediate_size)
-    h, k = layout.per_chip("heads", cfg.num_heads), layout.per_chip("kv_heads", cfg.num_kv_heads)
-    e = cfg.head_dim
-    stream = 4 * d * c + 2 * d * 4 + f * (3 * c + 4)
-    attention = (h + 2 * k) * e * c + (h + k) * e * (8 + c) + h * e * c
-    scores = b * h * t * t * (4 + c)
-    masked = b * h * t * t * 4  # kept only when the whole forward is kept (no remat)
-    if isinstance(cfg, ModelConfig):
-        return [(cfg.num_layers, b * t * (stream + attention) + scores, masked, scores)]
-    gate = h * e * (c + 4)
-    full = (cfg.num_groups, b * t * (stream + attention + gate) + scores, masked, scores)
-    r = layout.per_chip("kv_heads", cfg.linear_num_key_heads)
-    hv = layout.per_chip("heads", cfg.linear_num_value_heads)
-    kd, vd, chunk = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.chunk_size
-    width = cfg.linear_conv_kernel_dim
-    mixer = (2 * r * kd + hv * vd) * (width * c + 8) + hv * vd * c
-    mixer += 14 * hv * kd * 4 + 10 * hv * vd * 4
-    chunks = 8 * hv * chunk * 4
-    state = hv * kd * vd * 4 // chunk
-    linear = (cfg.num_linear_layers, b * t * (stream + mixer + chunks + state), 0, b * t * chunks)
-    return [full, linear]
+    a fully kept forward holds besides A (the masked scores in float32). Each family counts its
+    own layers (`harnessrl.model.memory` and the family's `memory.py`)."""
+    return registry.of(cfg).layer_kinds(cfg, layout.per_chip, b, t, c)
 
 
 def per_chip_layer_weights(cfg: AnyConfig, layout: Layout) -> int:
@@ -437,7 +389,7 @@ class PlanArgs:
     """`python -m harnessrl.learner.plan`: bytes per chip of a run, from shapes alone."""
 
     model: str = (
-        ""  # a named shape (qwen3-8b, qwen3_5-9b, smollm2, tiny), an HF folder or config.json
+        ""  # a named shape (NAMED_SHAPES: qwen3-8b, smollm2, ...), an HF folder or config.json
     )
     mesh: str = "cpu"  # a tpu_configs recipe (name or path), a train config YAML, or all
     seq_len: int | None = None  # plan one micro-batch of this row length instead of the buckets

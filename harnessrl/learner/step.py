@@ -35,8 +35,9 @@ from harnessrl.learner.params import (
     place,
     split_model,
 )
-from harnessrl.model.decoder import Decoder, SegmentAttention
+from harnessrl.model import registry
 from harnessrl.model.formats import export
+from harnessrl.model.hooks import SegmentAttention
 
 
 def scan_unroll(cfg: LearnerConfig, model: nnx.Module) -> int | None:
@@ -47,9 +48,8 @@ def scan_unroll(cfg: LearnerConfig, model: nnx.Module) -> int | None:
     layers = getattr(model_cfg, "num_layers", None)
     if layers is None:
         return None  # not one of our decoders: leave its graph alone
-    if getattr(model_cfg, "family", None) == "qwen3_5":
-        # Each layer holds a scan over chunks: unrolled, 28 layers took 3.6x longer to compile
-        # on CPU (305 s vs 84 s) and ran slower (18.6 s vs 12.7 s a step).
+    family = registry.find_decoder(model)
+    if family is not None and not family.unroll_layers_on_cpu:
         return 1
     return layers if jax.default_backend() == "cpu" else 1
 
@@ -60,10 +60,13 @@ def train_attention(cfg: LearnerConfig, model: nnx.Module, mesh: Mesh) -> Segmen
     One device only: the kernel is an opaque custom call, which XLA's partitioner would run on
     gathered, replicated operands rather than on each device's rows.
     """
-    if not cfg.cpu_attention or not isinstance(model, Decoder) or mesh.devices.size != 1:
+    family = registry.find_decoder(model)
+    takes_kernel = family is not None and family.segment_attention
+    if not cfg.cpu_attention or not takes_kernel or mesh.devices.size != 1:
         return None
     platform = mesh.devices.flat[0].platform
-    if not kernel_attention.usable(model.cfg.head_dim, cfg.compute_dtype, platform):
+    decoder: Any = model  # a family's decoder (checked above)
+    if not kernel_attention.usable(decoder.cfg.head_dim, cfg.compute_dtype, platform):
         return None
     return kernel_attention.segment_attention
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
-
-from harnessrl.model.config import ModelConfig
 
 # A finite "minus infinity": a fully masked query row (padding) then softmaxes to a uniform,
 # finite distribution instead of NaN, so padding never poisons gradients.
@@ -36,8 +35,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x32 * w.astype(x32.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2], with optional llama3-style scaling, in float32 like HF."""
+def rope_inv_freq(cfg: Any) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], with optional llama3-style scaling, in float32 like HF.
+
+    `cfg` is any family's config with `head_dim`, `rope_theta` and `rope_scaling` (None, or a
+    `RopeScaling` of the dense family's config)."""
     dim = cfg.head_dim
     # Bit-identical to HF's float32 computation: float32 exponents, the power rounded once to
     # float32, then a float32 reciprocal (numpy's float32 pow is off by up to 2 ulp from it).

@@ -33,10 +33,12 @@ def tokenizer_spec(spec: str, runs: str) -> str:
 
 def load_tokenizer(spec: str) -> Any:
     """The ChatTokenizer of a model spec, read from the tokenizer files only (no weights)."""
-    from harnessrl.model.formats.load import TINY, gguf_tokenizer, smollm2_gguf_path
+    from harnessrl.model import registry
+    from harnessrl.model.formats.load import gguf_tokenizer, smollm2_gguf_path
     from harnessrl.model.tokenizer import ChatTokenizer
 
-    path = smollm2_gguf_path() if spec in ("smollm2", TINY) else Path(spec)
+    random = spec in registry.RANDOM_SPECS  # random weights around SmolLM2's tokenizer
+    path = smollm2_gguf_path() if spec == "smollm2" or random else Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         return gguf_tokenizer(path)
     if path.is_dir() and (path / "tokenizer.json").is_file():

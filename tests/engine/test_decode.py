@@ -24,8 +24,8 @@ from harnessrl.engine.steps import DeviceSteps
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.losses import token_logprobs
 from harnessrl.learner.step import Learner
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.serve.config import ServeConfig
 
 # The model tests' float32 bounds (and, for the SmolLM2 tier, their transformers reference).
@@ -466,8 +466,8 @@ def test_smollm2_served_logprobs_equal_learner_logprobs():
 
 
 def _hf_tensors(loaded: Any) -> dict[str, np.ndarray]:
+    from harnessrl.model.families.dense.hf import hf_from_params
     from harnessrl.model.formats.export import params_numpy
-    from harnessrl.model.formats.hf_import import hf_from_params
 
     return hf_from_params(loaded.config, params_numpy(loaded.model))
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from harnessrl.engine.decode import Engine, TokenEvent
 from harnessrl.engine.sampler import SamplingParams
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.serve.config import ServeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))

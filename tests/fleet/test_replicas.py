@@ -90,8 +90,8 @@ class Refusing:
 def replicas() -> Iterator[tuple[list[Any], int, Refusing, Any]]:
     from flax import nnx
 
-    from harnessrl.model.config import ModelConfig
-    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.families.dense.config import ModelConfig
+    from harnessrl.model.families.dense.decoder import Decoder
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig
 

@@ -9,8 +9,8 @@ from typing import Any
 from flax import nnx
 
 from harnessrl.fleet.serving import RemoteServing
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.model.formats.export import export_hf
 
 

@@ -213,8 +213,8 @@ def test_embedded_server_serves_pushed_weights(tmp_path: Path) -> None:
     from flax import nnx
 
     from harnessrl.fleet.serving import EmbeddedServing
-    from harnessrl.model.config import ModelConfig
-    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.families.dense.config import ModelConfig
+    from harnessrl.model.families.dense.decoder import Decoder
     from harnessrl.model.formats.export import export_hf
     from harnessrl.serve.app import start_server
     from harnessrl.serve.config import ServeConfig

@@ -22,8 +22,8 @@ from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import make_mesh
 from harnessrl.learner.step import Learner, train_attention
 from harnessrl.model import attention
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from reference_bounds import EPS32, GRADIENT_ERROR_RATIO, reference_bounds

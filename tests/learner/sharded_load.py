@@ -26,12 +26,12 @@ from gguf import GGUFReader
 
 from harnessrl.learner.mesh import logical_axis_rules, make_mesh, use_mesh
 from harnessrl.learner.params import param_shardings, place, split_model
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.formats import load
 from harnessrl.model.formats.export import export_hf
-from harnessrl.model.formats.gguf_import import read_metadata
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.formats.gguf import read_metadata
 from harnessrl.model.tokenizer import ChatTokenizer
 
 

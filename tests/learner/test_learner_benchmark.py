@@ -21,10 +21,10 @@ from harnessrl.benchmarks.model import torch_reference
 from harnessrl.data.pack import PackedBatch
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.step import Learner
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.dense.hf import hf_from_params
 from harnessrl.model.formats.export import export_hf
-from harnessrl.model.formats.hf_import import hf_from_params
 
 REPO = Path(__file__).resolve().parents[2]
 FINAL = re.compile(

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from harnessrl.learner import mesh as mesh_lib
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.model.sharding import LOGICAL_AXES, logical_to_spec
 
 PACKAGE_DIR = Path(mesh_lib.__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ RULES = mesh_lib.LOGICAL_AXIS_RULES
 
 def _logical_names_in_model_sources() -> set[str]:
     names: set[str] = set()
-    for path in MODEL_DIR.glob("*.py"):
+    for path in MODEL_DIR.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
@@ -61,7 +61,7 @@ def _harnessrl_imports(path: Path) -> set[str]:
 
 def test_model_imports_nothing_above_it_and_learner_only_model():
     """The model names logical axes; the learner owns the mesh and hands the table in."""
-    for path in MODEL_DIR.glob("*.py"):
+    for path in MODEL_DIR.rglob("*.py"):
         assert _harnessrl_imports(path) <= {"model"}, path.name
     # cli: the one config loader (its type checks read the slice recipes); it imports no stage.
     assert _harnessrl_imports(PACKAGE_DIR / "cli.py") == set()

@@ -18,7 +18,7 @@ from flax import nnx
 from harnessrl.learner import plan as planner
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.mesh import TPU_CONFIGS_DIR, available_slice_configs, load_slice_config
-from harnessrl.model.config import HF_SHAPES, ModelConfig
+from harnessrl.model.families.dense.config import HF_SHAPES, ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN3_8B = ModelConfig.from_hf_config(HF_SHAPES["qwen3-8b"])
@@ -138,7 +138,7 @@ def test_activation_formula_matches_xla_memory_analysis(length: int, remat: bool
     allocates for the same micro-step on one CPU device, in float32 (XLA's CPU backend widens
     bfloat16, so only float32 is comparable here): within 1.5x either way. Measured: 1.01-1.28."""
     from harnessrl.learner.step import Learner
-    from harnessrl.model.decoder import Decoder
+    from harnessrl.model.families.dense.decoder import Decoder
 
     cfg = ModelConfig.tiny(
         family="qwen3", qk_norm=True, vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -159,7 +159,7 @@ def test_qwen3_5_activation_formula_matches_xla_memory_analysis(length: int, rem
     """The same comparison for the Qwen3.5 hybrid (two DeltaNet and two attention layers):
     within 1.5x either way. Measured: 0.80-0.89."""
     from harnessrl.learner.step import Learner
-    from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
+    from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
 
     cfg = Qwen35Config.tiny(vocab_size=512, hidden_size=64, intermediate_size=128, chunk_size=16)
     learner_cfg = LearnerConfig(remat=remat, scan_unroll=1)

@@ -20,8 +20,8 @@ from harnessrl.learner import losses
 from harnessrl.learner.config import LearnerConfig
 from harnessrl.learner.params import gather_to_host
 from harnessrl.learner.step import Learner
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 
 # Rows are multiples of 8 so every 8-device mesh can split them over (data, fsdp).
 BUCKETS: tuple[tuple[int, int], ...] = ((8, 32), (8, 64), (8, 128))

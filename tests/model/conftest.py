@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from torch_reference import torch_causal_lm
 
-from harnessrl.model.formats.hf_import import params_from_hf
+from harnessrl.model.families.dense.hf import params_from_hf
 from harnessrl.model.formats.load import Checkpoint, LoadedModel, build_decoder, read_checkpoint
 
 

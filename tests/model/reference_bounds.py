@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from harnessrl.model.config import ModelConfig
+from harnessrl.model.families.dense.config import ModelConfig
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23: one float32 rounding is at most EPS32/2 relative
 

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from reference_bounds import assert_reordered_close, logprob_reorder_tolerance
 
 from harnessrl.model import attention as attn
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 
 FAMILIES = {
     "llama": {},
@@ -335,8 +336,8 @@ def test_params_carry_logical_axes_and_shard_under_a_mesh(xla_cache_env: dict[st
         import jax, jax.numpy as jnp
         from flax import nnx
         from harnessrl.learner.mesh import make_mesh, use_mesh
-        from harnessrl.model.config import ModelConfig
-        from harnessrl.model.decoder import Decoder
+        from harnessrl.model.families.dense.config import ModelConfig
+        from harnessrl.model.families.dense.decoder import Decoder
         mesh = make_mesh("fsdp_tp")
         with use_mesh(mesh):
             model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))

@@ -15,10 +15,10 @@ import transformers
 from flax import nnx
 from reference_bounds import assert_logits_match_reference
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.dense.gguf import unpermute_rope
 from harnessrl.model.formats.export import export_hf, params_numpy
-from harnessrl.model.formats.gguf_import import unpermute_rope
 from harnessrl.model.formats.load import LoadedModel, load_model
 
 

@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 
 from harnessrl.benchmarks.model import qwen35_flops_per_token
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.qwen3_5 import SHAPES as QWEN35_SHAPES
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
 from harnessrl.model.formats.export import export_hf
-from harnessrl.model.formats.load import QWEN35_SHAPES
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = re.compile(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harnessrl.model.config import ModelConfig, RopeScaling
+from harnessrl.model.families.dense.config import ModelConfig, RopeScaling
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,11 @@ import torch
 from flax import nnx
 from reference_bounds import assert_logits_match_reference
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder, KVCache
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.dense.hf import hf_from_params
 from harnessrl.model.formats.export import params_numpy
-from harnessrl.model.formats.hf_import import hf_from_params
 from harnessrl.model.formats.load import LoadedModel
 
 TINY = {
@@ -39,7 +40,7 @@ def _forward(model: Decoder, ids: list[int]) -> np.ndarray:
 
 
 def _random_tiny(name: str) -> Decoder:
-    from harnessrl.model.config import RopeScaling
+    from harnessrl.model.families.dense.config import RopeScaling
 
     kw: dict[str, Any] = dict(TINY[name])
     if kw.get("rope_scaling") == "llama3":

@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 from hlo_dots import assert_all_highest, dots
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder, KVCache
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
-from harnessrl.model.qwen3_5.cache import HybridCache
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.families.qwen3_5.cache import HybridCache
 
 ROWS, LEN = 2, 8
 

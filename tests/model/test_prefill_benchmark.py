@@ -8,8 +8,8 @@ import re
 import pytest
 
 from harnessrl.benchmarks import prefill
-from harnessrl.model.formats.load import QWEN35_SHAPES
-from harnessrl.model.qwen3_5 import Qwen35Config
+from harnessrl.model.families.qwen3_5 import SHAPES as QWEN35_SHAPES
+from harnessrl.model.families.qwen3_5 import Qwen35Config
 
 FINAL = re.compile(
     r"^prefill: chunked_tokens_per_s=(?P<c>\d+\.\d) recurrent_tokens_per_s=(?P<r>\d+\.\d) "

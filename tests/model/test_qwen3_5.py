@@ -28,10 +28,10 @@ from reference_bounds import (
 )
 from torch_reference import torch_causal_lm
 
+from harnessrl.model.families.qwen3_5 import Qwen35Config, Qwen35Decoder
+from harnessrl.model.families.qwen3_5 import gated_deltanet as gdn
+from harnessrl.model.families.qwen3_5.hf import hf_from_params, params_from_hf, read_hf_folder
 from harnessrl.model.formats.export import export_hf, params_numpy
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
-from harnessrl.model.qwen3_5 import gated_deltanet as gdn
-from harnessrl.model.qwen3_5.hf import hf_from_params, params_from_hf, read_hf_folder
 from harnessrl.model.sharding import LOGICAL_AXES
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -357,7 +357,7 @@ def test_every_parameter_has_logical_axes() -> None:
 def test_decode_through_the_cache_equals_the_full_forward() -> None:
     """Prefill slot 1 in two chunks (the second padded), decode one token a call beside an idle
     slot 0, then reuse slot 1 for a new sequence: every logit equals the full forward's."""
-    from harnessrl.model.qwen3_5.cache import HybridCache
+    from harnessrl.model.families.qwen3_5.cache import HybridCache
 
     model = random_model("hybrid")
     cfg = model.cfg

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.families.dense.decoder import Decoder
 from harnessrl.model.tokenizer import ChatTokenizer
 from harnessrl.serve.app import ServerHandle, start_server
 from harnessrl.serve.config import ServeConfig

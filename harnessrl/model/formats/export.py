@@ -18,37 +18,33 @@ import numpy as np
 from flax import nnx
 from safetensors.flax import save_file
 
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.formats.hf_import import hf_from_params
+from harnessrl.model import registry
 from harnessrl.model.formats.load import LoadedModel
-from harnessrl.model.qwen3_5 import Qwen35Decoder
-from harnessrl.model.qwen3_5.hf import hf_from_params as qwen35_hf_from_params
 from harnessrl.model.tokenizer import ChatTokenizer
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
 
-def params_numpy(model: Decoder | Qwen35Decoder) -> dict[str, Any]:
+def params_numpy(model: nnx.Module) -> dict[str, Any]:
     """The decoder's parameters as a pure dict of host numpy arrays (gathered if sharded)."""
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), pure)
 
 
 def export_hf(
-    source: LoadedModel | Decoder | Qwen35Decoder,
+    source: LoadedModel | nnx.Module,
     out_dir: str | Path,
     tokenizer: ChatTokenizer | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write an HF folder; the weights keep the model's param dtype (float32 or bfloat16)."""
-    model: Decoder | Qwen35Decoder
+    model: Any = source
     if isinstance(source, LoadedModel):
         model, tokenizer = source.model, tokenizer or source.tokenizer
-    elif isinstance(source, Decoder | Qwen35Decoder):
-        model = source
-    else:
+    family = registry.find_decoder(model)
+    if family is None:
         raise TypeError(
-            "export_hf(source=...) needs a LoadedModel or Decoder (or Qwen35Decoder), got "
+            "export_hf(source=...) needs a LoadedModel or Decoder (any model family's), got "
             f"{type(source).__name__}"
         )
     if max_shard_bytes <= 0:
@@ -56,10 +52,7 @@ def export_hf(
     cfg = model.cfg
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    if isinstance(model, Qwen35Decoder):
-        tensors = qwen35_hf_from_params(model.cfg, params_numpy(model))
-    else:
-        tensors = hf_from_params(model.cfg, params_numpy(model))
+    tensors = family.hf_from_params(cfg, params_numpy(model))
     _write_safetensors(folder, tensors, max_shard_bytes)
     _write_json(folder / "config.json", cfg.to_hf_config())
     generation: dict[str, Any] = {

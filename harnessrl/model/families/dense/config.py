@@ -1,7 +1,8 @@
-"""Model stage config: one frozen dataclass for every supported decoder family.
+"""Model stage config, dense family: one frozen dataclass for its three HF architectures.
 
 In: a Hugging Face `config.json` dict (or keyword arguments). Out: `ModelConfig`, and back to an
-HF config dict for export. Families: Llama/SmolLM2, Qwen2 (qkv bias), Qwen3 dense (q/k RMSNorm).
+HF config dict for export. Architectures: Llama/SmolLM2, Qwen2 (qkv bias), Qwen3 dense (q/k
+RMSNorm).
 """
 
 from __future__ import annotations

@@ -36,10 +36,8 @@ parameters are sharded eagerly; created without a mesh they are plain arrays.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,53 +45,12 @@ from flax import nnx
 
 from harnessrl.model import attention as attn
 from harnessrl.model.bf16_bits import is_bits, widen
-from harnessrl.model.config import ModelConfig
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.hooks import DecodeKernels, MatVec, SegmentAttention, masked_attention
 from harnessrl.model.sharding import constrain, param_sharding
 
 INIT_STDDEV = 0.02  # HF initializer_range for these families
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Per-layer keys and values of every serving slot: `[layers, slots, max_len, kv_heads, head_dim]`."""
-
-    k_lbske: jax.Array
-    v_lbske: jax.Array
-
-    @classmethod
-    def create(cls, cfg: ModelConfig, slots: int, max_len: int) -> KVCache:
-        if slots <= 0 or max_len <= 0:
-            raise ValueError(f"KVCache needs slots > 0 and max_len > 0, got {slots=}, {max_len=}")
-        shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-        # Two buffers, not one shared: a donated cache may not donate the same buffer twice.
-        return cls(
-            k_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
-            v_lbske=jnp.zeros(shape, cfg.compute_jnp_dtype),
-        )
-
-    @property
-    def max_len(self) -> int:
-        return self.k_lbske.shape[2]
-
-    @property
-    def slots(self) -> int:
-        return self.k_lbske.shape[1]
-
-    def check_step(self, rows: int, slot: object, length: int) -> None:
-        """Reject a `Decoder.decode` call whose batch, slot or length does not fit this cache."""
-        if slot is None and rows != self.slots:
-            raise ValueError(
-                f"tokens have {rows} rows but the cache has {self.slots} slots; pass rows == "
-                "slots, or one row with slot=<its cache slot>"
-            )
-        if slot is not None and rows != 1:
-            raise ValueError(f"decode with slot={slot!r} takes one row, got {rows} rows")
-        if not isinstance(length, int) or not 0 < length <= self.max_len:
-            raise ValueError(
-                f"decode length={length!r} must be a static int in 1..{self.max_len} "
-                "(the cache's max_len)"
-            )
 
 
 def _param(
@@ -144,37 +101,6 @@ class DecoderLayers(nnx.Module):
         return {
             name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)
         }
-
-
-# `matvec(x_rk, w_lkn, layer, transposed)` → `x_rk @ w_lkn[layer]` (`@ w_lnk[layer].T` if
-# transposed) as float32: a serving runtime's kernel for few-row matmuls that reads one layer's
-# weights (float32, or bfloat16 words) in place from the stacked array (harnessrl.engine.cpu_kernels).
-MatVec = Callable[..., jax.Array]
-
-
-class DecodeKernels(NamedTuple):
-    """A serving runtime's kernels for decode steps (one token per cache slot).
-
-    `matvec` (see `MatVec`) computes every projection and the head; `attention(q_she, k_lsmke,
-    v_lsmke, layer, positions_s)` attends each slot's query over that slot's cache positions
-    `0..positions_s[s]` of layer `layer`, read in place (`[slots, heads, head_dim]` out).
-    """
-
-    matvec: MatVec
-    attention: Callable[..., jax.Array]
-
-
-# `attention(q_bthe, k_btke, v_btke, segment_ids_bt)` → `[b, t, heads, head_dim]`: each query over
-# the keys at or before it in its own segment, grouped-query heads as `attention.attend` reads
-# them. The learner passes its CPU kernel (harnessrl.kernels.train_attention) where it applies.
-SegmentAttention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def masked_attention(segment_ids_bt: jax.Array) -> SegmentAttention:
-    """`SegmentAttention` as XLA ops: `attention.attend` over the causal mask within segments."""
-    mask_btt = attn.segment_causal_mask(segment_ids_bt)
-    blocks = attn.causal_query_blocks(segment_ids_bt.shape[1])
-    return lambda q, k, v, _: attn.attend(q, k, v, mask_btt, causal_blocks=blocks)
 
 
 # `project(x, name)`: x contracted with the layer's weight `name` over its input axes.

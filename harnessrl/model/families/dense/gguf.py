@@ -1,9 +1,9 @@
-"""Model stage: GGUF files → HF-named float32 tensors, a `ModelConfig` and tokenizer metadata.
+"""Model stage, dense family: GGUF files → HF-named float32 tensors and a `ModelConfig`.
 
-In: a `.gguf` path (llama, qwen2 or qwen3 architecture; any quantization the `gguf` package can
-dequantize, e.g. Q4_1, Q8_0, F16). Out: a `ModelConfig`, tensors with HF names (so the same
-mapping as HF folders, `hf_import.params_from_hf`, turns them into decoder parameters) and the
-file's metadata (tokenizer.*, general.*, ...).
+In: an open GGUF file of the llama, qwen2 or qwen3 architecture (any quantization the `gguf`
+package can dequantize, e.g. Q4_1, Q8_0, F16) and its metadata. Out: a `ModelConfig` and tensors
+with HF names, so the same mapping as HF folders (`hf.params_from_hf`) turns them into decoder
+parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from harnessrl.model.config import ModelConfig
+from harnessrl.model.families.dense.config import ModelConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -41,11 +41,6 @@ TOP_NAMES: dict[str, str] = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value fields as Python values (strings, numbers, lists)."""
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def config_from_metadata(meta: dict[str, Any], has_output: bool) -> ModelConfig:
@@ -91,16 +86,16 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
-    """Config, every tensor dequantized to float32 numpy with HF names and layouts, metadata."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"GGUF file {str(path)!r} does not exist")
-    reader = GGUFReader(str(path))
-    meta = read_metadata(reader)
+def read_gguf(
+    reader: GGUFReader, meta: dict[str, Any]
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and every tensor dequantized to float32 numpy with HF names and layouts, from an
+    open file and its metadata (`harnessrl.model.formats.gguf.read_metadata`)."""
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError(f"{path.name}: GGUF rope_freqs (llama3 rope scaling) is not supported")
+        raise ValueError(
+            f"{Path(str(reader.data.filename)).name}: GGUF rope_freqs (llama3 rope scaling) is not supported"
+        )
     cfg = config_from_metadata(meta, has_output="output.weight" in names)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
@@ -112,7 +107,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], dic
             n = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             w = unpermute_rope(w, n)
         tensors[hf_name] = w
-    return cfg, tensors, meta
+    return cfg, tensors
 
 
 def _hf_name(name: str) -> str:

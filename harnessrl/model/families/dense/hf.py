@@ -8,14 +8,14 @@ numpy arrays shaped like `nnx.state(model, nnx.Param)`), and the inverse mapping
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from harnessrl.model.config import ModelConfig
+from harnessrl.model.families.dense.config import ModelConfig
+from harnessrl.model.formats.safetensors import bfloat16, read_safetensors
 
 Params = dict[str, Any]  # {"embed_vd": arr, "layers": {"wq_ldhe": arr, ...}, ...}
 
@@ -69,7 +69,7 @@ def _layer_table(cfg: ModelConfig) -> list[tuple[str, str, Callable, Callable]]:
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Params:
     """HF-named tensors → our parameter tree (layers stacked), in `cfg.param_dtype`."""
-    dtype = _bf16() if cfg.param_dtype == "bfloat16" else np.dtype(cfg.param_dtype)
+    dtype = bfloat16() if cfg.param_dtype == "bfloat16" else np.dtype(cfg.param_dtype)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
@@ -137,42 +137,6 @@ def read_hf_folder(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]
     return cfg, tensors
 
 
-# safetensors dtype names → numpy (bfloat16 through ml_dtypes, which numpy alone lacks).
-SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
-
-
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file, memory-mapped read-only on the host.
-
-    Nothing touches a device (safetensors' own flax reader makes each tensor a jax array on
-    device 0), and a tensor's bytes are read only when something indexes into it, so the loader
-    can hand each device no more than its shard of a model larger than one chip.
-    """
-    path = Path(path)
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    tensors: dict[str, np.ndarray] = {}
-    for key, info in header.items():
-        name = info["dtype"]
-        if name != "BF16" and name not in SAFETENSORS_DTYPES:
-            raise ValueError(
-                f"{path.name}: tensor {key!r} has dtype {name}, not a float or int type"
-            )
-        dtype = _bf16() if name == "BF16" else np.dtype(SAFETENSORS_DTYPES[name])
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - start != dtype.itemsize * int(np.prod(shape)):
-            raise ValueError(f"{path.name}: tensor {key!r} has {end - start} bytes for {shape}")
-        if end == start:
-            tensors[key] = np.zeros(shape, dtype)
-            continue
-        tensors[key] = np.memmap(path, dtype, "r", offset=8 + size + start, shape=shape)
-    return tensors
-
-
 def _check_shapes(cfg: ModelConfig, params: Params) -> None:
     n, d, v = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     if np.shape(params["embed_vd"]) != (v, d):
@@ -186,9 +150,3 @@ def _check_shapes(cfg: ModelConfig, params: Params) -> None:
             f"mlp weight shape {np.shape(layers['w_gate_ldf'])} does not match config "
             f"(layers={n}, embed={d}, mlp={cfg.intermediate_size})"
         )
-
-
-def _bf16() -> np.dtype:
-    import ml_dtypes  # a jax dependency; gives numpy a bfloat16
-
-    return np.dtype(ml_dtypes.bfloat16)

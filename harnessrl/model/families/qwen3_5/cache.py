@@ -2,7 +2,7 @@
 recurrent state (the conv window and the delta-rule state) for the Gated DeltaNet layers.
 
 In: the config, slot count and length. Out: `HybridCache`, which `Qwen35Decoder.decode` reads and
-returns updated, under the contract of `harnessrl.model.decoder.KVCache` (slot s is row s of
+returns updated, under the contract of `harnessrl.model.cache.KVCache` (slot s is row s of
 every array; position -1 pads). A DeltaNet layer's state is that of the last position written to
 the slot: a call continues it, position 0 starts it afresh, padding leaves it unchanged. Unlike
 KV entries it cannot be rewound, so a slot's positions must arrive in order.
@@ -15,8 +15,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from harnessrl.model.decoder import KVCache
-from harnessrl.model.qwen3_5.config import Qwen35Config
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.qwen3_5.config import Qwen35Config
 
 
 @jax.tree_util.register_dataclass

@@ -2,7 +2,7 @@
 
 In: token ids, positions and segment ids `[b, t]`. Out: float32 logits `[b, t, vocab]`.
 `logits_btv = model(tokens_bt, positions_bt, segment_ids_bt)`, the contract of
-`harnessrl.model.decoder.Decoder`: positions restart at 0 per segment and drive RoPE, segment id
+`harnessrl.model.families.dense.decoder.Decoder`: positions restart at 0 per segment and drive RoPE, segment id
 0 marks padding. The layers run as `num_groups` repeats of (interval - 1) DeltaNet layers and one
 attention layer: each kind is stacked on a leading `layers` axis and a `lax.scan` runs the groups,
 so compile time does not grow with depth. Shape letters as in `attention.py`, plus r the DeltaNet
@@ -17,10 +17,10 @@ import numpy as np
 from flax import nnx
 
 from harnessrl.model import attention as attn
-from harnessrl.model.decoder import KVCache
-from harnessrl.model.qwen3_5 import gated_deltanet as gdn
-from harnessrl.model.qwen3_5.cache import HybridCache
-from harnessrl.model.qwen3_5.config import Qwen35Config
+from harnessrl.model.cache import KVCache
+from harnessrl.model.families.qwen3_5 import gated_deltanet as gdn
+from harnessrl.model.families.qwen3_5.cache import HybridCache
+from harnessrl.model.families.qwen3_5.config import Qwen35Config
 from harnessrl.model.sharding import constrain, param_sharding
 
 INIT_STDDEV = 0.02

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from harnessrl.model.formats.hf_import import read_safetensors
-from harnessrl.model.qwen3_5.config import MODEL_TYPES, Qwen35Config
+from harnessrl.model.families.qwen3_5.config import MODEL_TYPES, Qwen35Config
+from harnessrl.model.formats.safetensors import bfloat16, read_safetensors
 
 Params = dict[str, Any]
 __all__ = ["MODEL_TYPES", "hf_from_params", "params_from_hf", "read_hf_folder"]
@@ -125,7 +125,7 @@ KINDS = {
 
 def params_from_hf(cfg: Qwen35Config, tensors: Mapping[str, np.ndarray]) -> Params:
     """HF-named tensors (either text prefix) → our parameter tree, in `cfg.param_dtype`."""
-    dtype = np.dtype(cfg.param_dtype) if cfg.param_dtype == "float32" else _bf16()
+    dtype = np.dtype(cfg.param_dtype) if cfg.param_dtype == "float32" else bfloat16()
     text: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         stripped = _strip(name)
@@ -217,9 +217,3 @@ def _strip(name: str) -> str | None:
         if name.startswith(prefix) and not name.startswith("model.visual."):
             return "model." + name[len(prefix) :]
     return None
-
-
-def _bf16() -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
