@@ -26,26 +26,13 @@ import jax
 from harnessrl.cli import fail
 from harnessrl.coding.rollouts import (
     CodingEvaluator,
-    CodingLauncher,
     coding_metrics,
     coding_task_sets,
     is_coding,
 )
-from harnessrl.coding.tasks import CodingTask
 from harnessrl.config import TrainConfig
 from harnessrl.config import parse_args as parse_config
 from harnessrl.data.pipeline import StepTraces, build_step, read_traces
-from harnessrl.fleet import (
-    Capture,
-    EmbeddedServing,
-    LocalCapture,
-    PodCapture,
-    Serving,
-    SidecarProcess,
-    copy_model,
-    remote_serving,
-    served_tokenizer,
-)
 from harnessrl.host_memory import keep_freed_memory
 from harnessrl.learner.checkpoint import KEEP_KEY
 from harnessrl.learner.hosts import LeadLearner, follow
@@ -55,24 +42,17 @@ from harnessrl.learner.step import Learner
 from harnessrl.model.formats.load import check_policy_spec, load_policy
 from harnessrl.report import MetricsLog, plot_rewards, read_metrics
 from harnessrl.rollout import (
-    Evaluate,
-    Launcher,
-    LocalLauncher,
     RoundResult,
     Task,
     addition_tasks,
     get_evaluator,
     load_tasks,
-    parse_command,
     plan_round,
     run_round,
     sample_tasks,
 )
-from harnessrl.serve.app import start_server
-from harnessrl.traces import TraceStore, open_store
-from proxy_sidecar.inject.webhook import SidecarSpec
+from harnessrl.stack import Coding, Stack
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SMOKE_DEVICES = 2  # the smoke run's sharded update spans this many simulated CPU devices
 
 
@@ -92,12 +72,10 @@ class Run:
 
     cfg: TrainConfig
     out: Path
-    store: TraceStore
+    # The store, the serving (the embedded server, or remote servers fed through shared storage),
+    # the capture (this process's sidecar, or the harness pods'), the launcher and the evaluator.
+    stack: Stack
     learner: LeadLearner  # on multi-process runs, every call is made by all processes
-    serving: Serving  # the embedded server, or remote servers fed through shared storage
-    capture: Capture  # this process's sidecar, or the sidecars of the harness pods
-    launcher: Launcher
-    evaluate: Evaluate  # scores each succeeded run that posted no reward of its own
     log: MetricsLog
     train_tasks: list[Task]
     eval_tasks: list[Task]
@@ -113,9 +91,6 @@ class Run:
 # ---- tasks, launcher, services -------------------------------------------------------------------
 
 
-Coding = dict[str, CodingTask]  # the coding task behind each task id; empty for other tasks
-
-
 def load_task_sets(cfg: TrainConfig) -> tuple[list[Task], list[Task], Coding]:
     r = cfg.rollout
     if is_coding(r.tasks):
@@ -128,86 +103,25 @@ def load_task_sets(cfg: TrainConfig) -> tuple[list[Task], list[Task], Coding]:
     return load_tasks(r.tasks), load_tasks(r.eval_tasks), {}
 
 
-def harness_command(cfg: TrainConfig, own: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """A launcher's own argv, else rollout.harness; {python} and {examples} expanded."""
-    argv = own or parse_command(cfg.rollout.harness)
-    return tuple(
-        a.replace("{python}", sys.executable).replace("{examples}", str(EXAMPLES)) for a in argv
-    )
-
-
-def make_launcher(cfg: TrainConfig, coding: Coding) -> Launcher:
-    """The launcher that rollout.launcher names; coding tasks: a sandbox per run, here."""
-    r = cfg.rollout
-    if coding:
-        code = r.coding
-        mini_config = harness_command(cfg, (code.mini_config,))[0]
-        if r.launcher == "kubernetes":  # a Job per run; {python}, {examples} expand in the pod
-            from harnessrl.pods.coding import KubernetesCodingLauncher
-
-            k8s = dataclasses.replace(r.kubernetes, sidecar=pod_sidecar(cfg))
-            code = dataclasses.replace(code, mini_config=mini_config)
-            model = cfg.sidecar.model or cfg.serve.model_name
-            return KubernetesCodingLauncher(k8s, code, coding, model=model)
-        command = harness_command(cfg, code.command) if code.command else ()
-        return CodingLauncher(
-            dataclasses.replace(code, command=command, mini_config=mini_config),
-            coding,
-            local=r.local,
-            model=cfg.sidecar.model or cfg.serve.model_name,
-        )
-    if r.launcher == "kubernetes":
-        from harnessrl.pods.k8s import KubernetesLauncher
-
-        k8s = r.kubernetes
-        command = harness_command(cfg, k8s.command)
-        return KubernetesLauncher(
-            dataclasses.replace(k8s, command=command, sidecar=pod_sidecar(cfg))
-        )
-    command = harness_command(cfg, r.local.command)
-    return LocalLauncher(dataclasses.replace(r.local, command=command))
-
-
-def pod_sidecar(cfg: TrainConfig) -> SidecarSpec:
-    """The harness pods' sidecar: it forwards to rollout.servers and rewrites each call's model
-    to the name they serve, as the local sidecar does (a harness asking for "default" of a vLLM
-    serving "policy" would get 404 on every call)."""
-    spec = cfg.rollout.kubernetes.sidecar
-    model = spec.model or cfg.sidecar.model or cfg.serve.model_name
-    # Token-in mode with serve.model's tokenizer folder where the pods see it (on the shared
-    # claim); a named one (tiny, smollm2) only when set, as each pod would load it at start.
-    found = served_tokenizer(cfg.serve.model) or ""
-    tokenizer = spec.tokenizer or (found if found.startswith("/") and spec.sees(found) else "")
-    return dataclasses.replace(spec, upstream=cfg.rollout.servers, model=model, tokenizer=tokenizer)
-
-
 def setup(cfg: TrainConfig, started: float) -> Run:
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
     train_tasks, eval_tasks, coding = load_task_sets(cfg)
-    evaluate = make_evaluator(cfg, coding)  # fails on a bad name before anything starts
-    launcher = make_launcher(cfg, coding)
+    stack = Stack(cfg, coding, out)  # fails on a bad evaluator or launcher before anything starts
     # Remote servers load their own copy: the learner's is read straight into its shards.
     model, tokenizer, policy_learner = load_learner(cfg, sharded=bool(cfg.rollout.servers))
     learner = LeadLearner(policy_learner)
-    store_url = cfg.rollout.store or f"sqlite:///{(out / 'traces.db').absolute()}"
-    store = open_store(store_url)
-    serving = start_serving(cfg, model, tokenizer, out)
-    try:
-        capture = start_capture(cfg, launcher, serving.url, store_url, out)
-    except BaseException:
-        serving.stop()  # nothing may outlive a failed start
-        raise
+    stack.start(model, tokenizer)
     log = MetricsLog(out, cfg.run.steps, display=cfg.run.display, tensorboard=cfg.run.tensorboard)
     position = {"step": 0, "attempt": 0, "eval_start": None, "minutes": 0.0, **NO_BEST}
     run = Run(
-        cfg, out, store, learner, serving, capture, launcher, evaluate, log, train_tasks,
-        eval_tasks, tokenizer, uuid.uuid4().hex[:6], position, started,
+        cfg, out, stack, learner, log, train_tasks, eval_tasks, tokenizer, uuid.uuid4().hex[:6],
+        position, started,
     )  # fmt: skip
     if cfg.run.view:
         try:
-            run.viewer = start_view(cfg, store_url, out, tokenizer)
+            run.viewer = start_view(cfg, stack.store_url, out, tokenizer)
         except BaseException:
             teardown(run)  # nothing may outlive a failed start
             raise
@@ -223,12 +137,6 @@ def start_view(cfg: TrainConfig, store_url: str, out: Path, tokenizer: Any) -> A
 
     view = ViewConfig(store=store_url, runs=str(out), port=cfg.run.view_port)
     return start_viewer(view, tokenizer)
-
-
-def make_evaluator(cfg: TrainConfig, coding: Coding) -> Evaluate:
-    if cfg.rollout.evaluator == "coding":
-        return CodingEvaluator(coding, cfg.rollout.coding.grade)
-    return get_evaluator(cfg.rollout.evaluator)
 
 
 def load_learner(cfg: TrainConfig, sharded: bool) -> tuple[Any, Any, Learner]:
@@ -255,33 +163,6 @@ def follow_leader(cfg: TrainConfig) -> int:
     return 0
 
 
-def start_serving(cfg: TrainConfig, model: Any, tokenizer: Any, out: Path) -> Serving:
-    r = cfg.rollout
-    if r.servers:
-        export_root = (out / "weights").absolute()
-        return remote_serving(
-            r.servers, r.weight_sync, export_root, tokenizer, cfg.serve.admin_token,
-            r.weight_push, r.weight_push_address,
-        )  # fmt: skip
-    return EmbeddedServing(start_server(copy_model(model), tokenizer, cfg.serve))
-
-
-def start_capture(
-    cfg: TrainConfig, launcher: Launcher, upstream: str, store_url: str, out: Path
-) -> Capture:
-    if cfg.rollout.launcher == "kubernetes":  # each harness pod brings its own sidecar
-        return PodCapture(launcher, os.environ.get("HARNESSRL_CONTROL_TOKEN", ""))
-    wired = dataclasses.replace(
-        cfg.sidecar,
-        upstreams=tuple(upstream.split(",")),
-        store=store_url,
-        model=cfg.sidecar.model or cfg.serve.model_name,
-        # Token-in mode (/v1/responses, /v1/messages) with the policy's own tokenizer.
-        tokenizer=cfg.sidecar.tokenizer or served_tokenizer(cfg.serve.model),
-    )
-    return LocalCapture(SidecarProcess(wired, out / "sidecar.log", cfg.run.sidecar_startup_s))
-
-
 def resume(run: Run) -> None:
     """Continue after the last checkpoint: learner state, loop position, and the served weights."""
     position = run.learner.restore() or {}
@@ -295,14 +176,11 @@ def resume(run: Run) -> None:
 
 
 def teardown(run: Run) -> None:
-    if isinstance(run.launcher, LocalLauncher | CodingLauncher):
-        run.launcher.stop()
+    run.stack.stop_runs()
     if run.viewer is not None:
         run.viewer.stop()
-    run.capture.stop()
-    run.serving.stop()
+    run.stack.stop()
     run.learner.close()  # waits for an async checkpoint to be committed
-    run.store.close()
     run.log.close()
 
 
@@ -316,14 +194,16 @@ def play(run: Run, tasks: list[Task], prefix: str, runs_per_task: int) -> RoundR
         tasks,
         prefix=f"{prefix}-{run.nonce}",
         runs_per_task=runs_per_task,
-        base_url=run.capture.base_url,
+        base_url=run.stack.capture.base_url,
         timeout_s=r.timeout_s,
         attempt=int(run.position["attempt"]),
-        reward=run.capture.reward_credential,
+        reward=run.stack.capture.reward_credential,
     )
     # Graders run tests in sandboxes: several at once; the other evaluators are instant.
-    workers = r.coding.grade_workers if isinstance(run.evaluate, CodingEvaluator) else 1
-    return run_round(specs, run.launcher, run.store, run.evaluate, r.posted_reward, workers)
+    workers = r.coding.grade_workers if isinstance(run.stack.evaluate, CodingEvaluator) else 1
+    return run_round(
+        specs, run.stack.launcher, run.stack.store, run.stack.evaluate, r.posted_reward, workers
+    )
 
 
 def collect(run: Run, step: int) -> RoundResult:
@@ -335,7 +215,7 @@ def collect(run: Run, step: int) -> RoundResult:
 
 def step_traces(run: Run, rollouts: RoundResult) -> tuple[StepTraces, dict[str, float]]:
     """The round's runs and calls; runs whose calls lag more than max_staleness are dropped."""
-    traces = read_traces(run.store, rollouts.group_ids)
+    traces = read_traces(run.stack.store, rollouts.group_ids)
     records, calls = traces.rollouts, traces.calls
     # Policy versions a call lags behind the learner (the sidecar records who served each call).
     lags = {
@@ -379,7 +259,7 @@ def update(run: Run, step: int, rollouts: RoundResult) -> dict[str, Any]:
         "packing_efficiency": s.efficiency,
         "micro_batches": s.micro_batches,
         "trained_tokens": s.real_tokens,
-        "compiles": run.learner.compile_count + run.serving.compile_count,
+        "compiles": run.learner.compile_count + run.stack.serving.compile_count,
         "tokens_per_s": s.real_tokens / t_update if learner_metrics else 0.0,
         "t_rollout": rollouts.duration_s,
         "t_update": t_update,
@@ -393,8 +273,8 @@ def swap_weights(run: Run) -> float:
     """New weights into the servers while the sidecars hold new calls; returns seconds taken."""
     t0 = time.monotonic()
     version = run.learner.step
-    with run.capture.hold(version):
-        run.serving.push(run.learner, version)
+    with run.stack.capture.hold(version):
+        run.stack.serving.push(run.learner, version)
     return time.monotonic() - t0
 
 
@@ -408,7 +288,7 @@ def evaluate(run: Run, step: int) -> dict[str, Any]:
     sampled with the sidecars' eval overrides (greedy by default). Returns eval_reward,
     eval_reward_best and best_step (`step` itself when this eval is a new best)."""
     run.log.phase(f"eval at step {step}")
-    with run.capture.evaluating():
+    with run.stack.capture.evaluating():
         result = play(run, run.eval_tasks, f"e{step}", run.cfg.rollout.eval_runs_per_task)
     reward = result.reward_mean(failed_as=0.0)
     run.last_eval_s = result.duration_s
@@ -494,8 +374,7 @@ def train(run: Run) -> None:
             if last:
                 break
     except BaseException:
-        if isinstance(run.launcher, LocalLauncher | CodingLauncher):
-            run.launcher.stop()  # interrupted: the step's runs are abandoned, not waited for
+        run.stack.stop_runs()  # interrupted: the step's runs are abandoned, not waited for
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

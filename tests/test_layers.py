@@ -20,6 +20,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "learner serve coding",
         "pods view",
         "fleet config",
+        "stack",
         "train",
         "curate",
         "benchmarks",

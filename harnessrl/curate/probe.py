@@ -92,36 +92,28 @@ def play_round(
     cfg: TrainConfig, tasks: Sequence[CodingTask], k: int, out: Path
 ) -> dict[str, list[float | None]]:
     """k runs of each task, made and graded as the train loop makes them; rewards by task."""
-    from harnessrl import train
     from harnessrl.coding.rollouts import as_task
     from harnessrl.model.formats.load import load_policy
     from harnessrl.rollout import plan_round, run_round
-    from harnessrl.traces import open_store
+    from harnessrl.stack import Stack
 
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, evaluator="coding"))
     out.mkdir(parents=True, exist_ok=True)
-    coding = {t.instance_id: t for t in tasks}
-    launcher = train.make_launcher(cfg, coding)
-    evaluate = train.make_evaluator(cfg, coding)
+    stack = Stack(cfg, {t.instance_id: t for t in tasks}, out)
     model, tokenizer = load_policy(cfg.serve.model, seed=cfg.run.seed)
-    store_url = cfg.rollout.store or f"sqlite:///{(out / 'traces.db').absolute()}"
-    store = open_store(store_url)
-    serving = train.start_serving(cfg, model, tokenizer, out)
+    stack.start(model, tokenizer)
     try:
-        capture = train.start_capture(cfg, launcher, serving.url, store_url, out)
-        try:
-            specs = plan_round(
-                [as_task(t) for t in tasks], prefix=f"passk-{uuid.uuid4().hex[:6]}",
-                runs_per_task=k, base_url=capture.base_url, timeout_s=cfg.rollout.timeout_s,
-                reward=capture.reward_credential,
-            )  # fmt: skip
-            workers = cfg.rollout.coding.grade_workers
-            result = run_round(specs, launcher, store, evaluate, cfg.rollout.posted_reward, workers)
-        finally:
-            capture.stop()
+        specs = plan_round(
+            [as_task(t) for t in tasks], prefix=f"passk-{uuid.uuid4().hex[:6]}",
+            runs_per_task=k, base_url=stack.capture.base_url, timeout_s=cfg.rollout.timeout_s,
+            reward=stack.capture.reward_credential,
+        )  # fmt: skip
+        workers = cfg.rollout.coding.grade_workers
+        result = run_round(
+            specs, stack.launcher, stack.store, stack.evaluate, cfg.rollout.posted_reward, workers
+        )
     finally:
-        serving.stop()
-        store.close()
+        stack.stop()
     rewards: dict[str, list[float | None]] = {t.instance_id: [] for t in tasks}
     for spec in specs:  # a failed or ungraded run has no reward: None, never a 0
         rewards[spec.task.task_id].append(result.rewards.get(spec.rollout_id))

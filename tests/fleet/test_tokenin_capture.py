@@ -12,8 +12,9 @@ from openai import OpenAI
 from harnessrl.fleet import copy_model, served_tokenizer
 from harnessrl.model.formats.load import load_policy
 from harnessrl.serve.app import start_server
+from harnessrl.stack import start_capture
 from harnessrl.traces import open_store
-from harnessrl.train import parse_args, start_capture
+from harnessrl.train import parse_args
 
 
 def test_served_tokenizer_names_local_sources_only(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from harnessrl.fleet.serving import remote_serving
 from harnessrl.fleet.weight_sync import WeightSyncError
 from harnessrl.pods.k8s import KubernetesLauncherConfig, job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
-from harnessrl.train import pod_sidecar
+from harnessrl.stack import pod_sidecar
 from proxy_sidecar.inject.webhook import (
     SIDECAR_LABEL,
     SIDECAR_NAME,

@@ -361,7 +361,8 @@ def _restore_modes(tmp_path: Path) -> Any:
 
 def test_train_config_runs_coding_tasks_as_jobs(tmp_path: Path, monkeypatch: Any) -> None:
     from harnessrl.config import load_config
-    from harnessrl.train import load_task_sets, make_launcher
+    from harnessrl.stack import make_launcher
+    from harnessrl.train import load_task_sets
 
     keys = [
         "rollout.launcher=kubernetes", "rollout.tasks=coding:shipped", "rollout.evaluator=coding",

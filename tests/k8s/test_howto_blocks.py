@@ -334,7 +334,7 @@ def created_secrets(guide: Path) -> set[tuple[str, str]]:
 @needs_kubectl
 @pytest.mark.parametrize("guide", GUIDES[:2], ids=lambda g: g.name)
 def test_the_guide_creates_every_secret_its_cluster_reads(guide: Path, tmp_path: Path) -> None:
-    from harnessrl.train import pod_sidecar
+    from harnessrl.stack import pod_sidecar
 
     applied = [c.words[c.words.index("-k") + 1] for c in commands(guide)
                if c.words[:2] == ("kubectl", "apply") and "-k" in c.words]  # fmt: skip

@@ -33,9 +33,9 @@ from guarded_vllm import KEY, SERVED, GuardedVllm
 from harnessrl.config import load_config
 from harnessrl.pods.k8s import job_manifest
 from harnessrl.rollout.tasks import RunSpec, Task
+from harnessrl.stack import pod_sidecar
 from harnessrl.traces import open_store
 from harnessrl.traces.schema import EndpointKind
-from harnessrl.train import pod_sidecar
 from proxy_sidecar.dialects.tokens import load_tokenizer
 from proxy_sidecar.inject import webhook
 from proxy_sidecar.inject.webhook import SIDECAR_NAME, review_response
